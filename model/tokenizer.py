@@ -1,0 +1,40 @@
+"""Text tokenizer: pieces are encoded without special tokens; the prompt gets them once."""
+import os
+
+import tokenizers
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, prefix_ids: list[int] | None = None):
+        self._tok = tokenizer
+        self.prefix_ids = _special_prefix(tokenizer) if prefix_ids is None else prefix_ids
+
+    @classmethod
+    def from_file(cls, path: str) -> "TextTokenizer":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer file {path}")
+        return cls(tokenizers.Tokenizer.from_file(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a piece of a prompt: no BOS, no EOS."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _special_prefix(tok: tokenizers.Tokenizer) -> list[int]:
+    """The special tokens the tokenizer's post-processor puts before a text (e.g. BOS)."""
+    plain = tok.encode("x", add_special_tokens=False).ids
+    full = tok.encode("x", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []

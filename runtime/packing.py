@@ -1,0 +1,45 @@
+"""Sequences of one forward pass (SPEC §4): multi-item packing and plain causal prompts."""
+import dataclasses
+
+Tokens = list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    tokens: Tokens
+    positions: list[int]     # RoPE positions
+    visible_from: list[int]  # a(i) per token
+    prefix_len: int          # L: KV positions every token sees
+    score_rows: list[int]    # indices into tokens of the rows to score, one per item
+
+
+def causal_sequence(prompt: Tokens) -> Sequence:
+    n = len(prompt)
+    return Sequence(list(prompt), list(range(n)), [0] * n, 0, [n - 1])
+
+
+def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
+    """query, item_1, ..., item_N in one sequence; item k attends to the query and itself."""
+    prefix = len(query)
+    tokens, positions, visible = list(query), list(range(prefix)), [0] * prefix
+    rows = []
+    for item in items:
+        start = len(tokens)
+        tokens += item
+        positions += range(prefix, prefix + len(item))
+        visible += [start] * len(item)
+        rows.append(len(tokens) - 1 if item else prefix - 1)
+    return Sequence(tokens, positions, visible, prefix, rows)
+
+
+def item_chunks(query_len: int, item_lens: list[int], budget: int) -> list[range]:
+    """Groups consecutive items so that query + items of a group fit in `budget` tokens."""
+    chunks, start, used = [], 0, query_len
+    for k, n in enumerate(item_lens):
+        if k > start and used + n > budget:
+            chunks.append(range(start, k))
+            start, used = k, query_len
+        used += n
+    if start < len(item_lens):
+        chunks.append(range(start, len(item_lens)))
+    return chunks

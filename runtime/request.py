@@ -1,0 +1,83 @@
+"""Validation of a /v1/score request body (SPEC §2) into a typed request."""
+import dataclasses
+
+from runtime.errors import ScoreError
+
+Tokens = list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    query: str | Tokens
+    items: list[str] | list[Tokens]
+    label_token_ids: Tokens
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: str = "default"
+
+    @property
+    def is_text(self) -> bool:
+        return isinstance(self.query, str)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_list(value, what: str) -> Tokens:
+    if not isinstance(value, list) or not all(_is_int(x) for x in value):
+        raise ScoreError(f"{what} must be a string or a list of integer token ids")
+    return value
+
+
+def _items(raw) -> list:
+    if isinstance(raw, str):
+        return [raw]
+    if not isinstance(raw, list):
+        raise ScoreError("items must be a string, a list of strings or a list of token-id lists")
+    if all(isinstance(x, str) for x in raw):
+        return raw
+    if all(isinstance(x, list) for x in raw):
+        return [_token_list(x, f"items[{i}]") for i, x in enumerate(raw)]
+    raise ScoreError("items must be all strings or all token-id lists")
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ScoreError(f"{name} must be a boolean")
+    return value
+
+
+def parse_score_request(body, needs_labels: bool = True) -> ScoreRequest:
+    if not isinstance(body, dict):
+        raise ScoreError("request body must be a JSON object")
+    for field in ("query", "items"):
+        if body.get(field) is None:
+            raise ScoreError(f"missing required field '{field}'")
+    query = body["query"]
+    if not isinstance(query, str):
+        query = _token_list(query, "query")
+    items = _items(body["items"])
+    if items and isinstance(items[0], str) != isinstance(query, str):
+        raise ScoreError("query and items must both be text or both be token ids")
+    labels = body.get("label_token_ids")
+    if labels is None:
+        if needs_labels:
+            raise ScoreError("missing required field 'label_token_ids'")
+        labels = []
+    labels = _token_list(labels, "label_token_ids")
+    if needs_labels and not labels:
+        raise ScoreError("label_token_ids must not be empty")
+    model = body.get("model", "default")
+    if not isinstance(model, str):
+        raise ScoreError("model must be a string")
+    return ScoreRequest(query, items, labels, _flag(body, "apply_softmax"),
+                        _flag(body, "item_first"), model)
+
+
+def check_token_range(ids: Tokens, vocab_size: int, what: str) -> None:
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise ScoreError(f"{what} contains token id {token}, outside the vocabulary "
+                             f"[0, {vocab_size})")

@@ -1,0 +1,119 @@
+"""Routes of the scoring server, on plain asyncio streams; the model runs in a worker thread."""
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+
+from absl import logging
+
+from runtime.engine import Engine
+from runtime.errors import ScoreError
+from runtime.request import parse_score_request
+from server.http import (HttpError, Request, encode_response, error_body, read_request)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "default"
+    max_body_bytes: int = 8 << 20
+    max_pending: int = 256    # requests queued or running before 503
+    head_limit: int = 64 << 10
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes):
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise ScoreError("request body is not valid UTF-8") from None
+    except RecursionError:
+        raise ScoreError("request body is nested too deeply") from None
+    except ValueError as e:
+        raise ScoreError(f"invalid JSON body: {e}") from None
+
+
+class ScoreServer:
+    def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
+        self.engine, self.config = engine, config
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._pending = 0
+        self._routes = {"/v1/score": ("POST", self._score), "/health": ("GET", self._health),
+                        "/v1/models": ("GET", self._models),
+                        "/get_model_info": ("GET", self._model_info)}
+
+    async def start(self, host: str, port: int) -> asyncio.Server:
+        return await asyncio.start_server(self.handle_connection, host, port,
+                                          limit=self.config.head_limit)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def handle_connection(self, reader, writer) -> None:
+        try:
+            while await self._serve_one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _serve_one(self, reader, writer) -> bool:
+        try:
+            req = await read_request(reader, self.config.max_body_bytes)
+        except HttpError as e:
+            writer.write(encode_response(e.status, error_body(e.message, e.status, e.type), False))
+            await writer.drain()
+            return False
+        if req is None:
+            return False
+        status, payload, headers = await self._dispatch(req)
+        writer.write(encode_response(status, payload, req.keep_alive, headers))
+        await writer.drain()
+        return req.keep_alive
+
+    async def _dispatch(self, req: Request):
+        route = self._routes.get(req.path)
+        try:
+            if route is None:
+                raise ScoreError(f"no route {req.path}", status=404)
+            if req.method != route[0]:
+                return 405, error_body(f"{req.path} allows only {route[0]}", 405,
+                                       ScoreError.TYPES[405]), [f"Allow: {route[0]}"]
+            return 200, await route[1](req), []
+        except ScoreError as e:
+            return e.status, error_body(e.message, e.status, e.type), []
+        except Exception as e:  # a bug: report it, keep serving
+            logging.exception("error serving %s %s", req.method, req.path)
+            return 500, error_body(f"internal error: {e}", 500, ScoreError.TYPES[500]), []
+
+    async def _score(self, req: Request) -> dict:
+        score_req = parse_score_request(parse_json(req.body), not self.engine.cfg.is_classifier)
+        if self._pending >= self.config.max_pending:
+            raise ScoreError("server is saturated, retry later", status=503)
+        self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._worker, self.engine.score_request, score_req)
+        finally:
+            self._pending -= 1
+        n = result.prompt_tokens
+        return {"scores": result.scores, "model": score_req.model, "object": "scoring",
+                "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
+
+    async def _health(self, req: Request) -> dict:
+        return {"status": "ok"}
+
+    async def _models(self, req: Request) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.config.model_name, "object": "model", "owned_by": "jax-score",
+            "max_model_len": self.engine.max_prompt_tokens}]}
+
+    async def _model_info(self, req: Request) -> dict:
+        cfg = self.engine.cfg
+        return {"model_path": self.config.model_name, "is_generation": not cfg.is_classifier,
+                "architecture": cfg.family, "vocab_size": cfg.vocab_size,
+                "num_labels": cfg.num_labels, "max_context": cfg.max_context,
+                "dtype": self.engine.engine_cfg.dtype}

@@ -1,0 +1,63 @@
+"""Engine scores vs an independent float64 NumPy decoder, for every supported family."""
+import numpy as np
+import pytest
+import tokenizers
+
+from tests.assertions import assert_scores_close
+
+QUERY = "I pledge allegiance"
+ITEMS = ["", " to", " the flag of Tokyo", "é"]
+LABELS = [5, 17, 255, 17]  # a duplicated label gets the same value twice
+CAUSAL = ["llama", "qwen2", "qwen3"]
+
+
+def hf_prompt(model_dir: str, first: str, second: str) -> list[int]:
+    """Prompt built straight with `tokenizers`: specials only at the start of the prompt."""
+    tok = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    return (tok.encode(first, add_special_tokens=True).ids
+            + tok.encode(second, add_special_tokens=False).ids)
+
+
+def expected_scores(model_dirs, numpy_models, family, item_first, apply_softmax, labels):
+    ref = numpy_models[family]
+    out = []
+    for item in ITEMS:
+        first, second = (item, QUERY) if item_first else (QUERY, item)
+        out.append(ref.scores(hf_prompt(model_dirs[family], first, second), labels, apply_softmax))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("family", CAUSAL + ["qwen3_cls"])
+@pytest.mark.parametrize("apply_softmax", [False, True])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_text_scores_match_numpy(engines, numpy_models, model_dirs, family, apply_softmax,
+                                 item_first):
+    got = engines[family].score(QUERY, ITEMS, LABELS, apply_softmax, item_first)
+    want = expected_scores(model_dirs, numpy_models, family, item_first, apply_softmax, LABELS)
+    assert_scores_close(got.scores, want)
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_token_id_inputs_match_numpy(engines, numpy_models, family):
+    rng = np.random.default_rng(7)
+    query = rng.integers(0, 320, 11).tolist()
+    items = [rng.integers(0, 320, n).tolist() for n in (1, 5, 0, 9)]
+    got = engines[family].score(query, items, [0, 319], apply_softmax=False)
+    want = [numpy_models[family].scores(query + it, [0, 319], False) for it in items]
+    assert_scores_close(got.scores, want)
+    assert got.prompt_tokens == len(query) + sum(map(len, items))
+
+
+def test_bos_only_at_prompt_start(engines, model_dirs):
+    llama = engines["llama"]
+    bos = tokenizers.Tokenizer.from_file(f"{model_dirs['llama']}/tokenizer.json").token_to_id("<s>")
+    assert llama.tokenizer.prefix_ids == [bos]
+    assert engines["qwen3"].tokenizer.prefix_ids == []
+    assert bos not in llama.tokenizer.encode("a query")
+
+
+def test_classifier_ignores_labels_and_returns_classes(engines):
+    got = engines["qwen3_cls"].score(QUERY, ["a", "b"], label_token_ids=None)
+    assert np.array(got.scores).shape == (2, 3)
+    soft = engines["qwen3_cls"].score(QUERY, ["a", "b"], [1], apply_softmax=True)
+    np.testing.assert_allclose(np.sum(soft.scores, axis=1), 1.0, atol=1e-12)
