@@ -81,6 +81,8 @@ def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, prefix_len, kv_len, sm
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                                      sm_scale: float, max_q_len: int, q_block: int = 256):
     """Reference path. Every sequence must have at most `max_q_len` new tokens."""
+    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
+    md = AttentionMetadata(*map(jnp.asarray, md))
     check_shapes(q, k_pages, v_pages, md)
     t, hq, d = q.shape
     n_seqs, pages_per_seq = md.page_indices.shape

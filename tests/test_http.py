@@ -1,0 +1,182 @@
+"""The HTTP contract of SPEC §2 over a real socket."""
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from server.app import ServerConfig
+from tests.server_harness import call, serving
+
+OK = {"query": "Tokyo is a city", "items": [" in Japan", " in France"],
+      "label_token_ids": [5, 17]}
+
+
+@pytest.fixture(scope="module")
+def port(engines):
+    with serving(engines["llama"], ServerConfig(max_body_bytes=1 << 16)) as p:
+        yield p
+
+
+def assert_error(status, payload, code, fragment=""):
+    assert status == code, payload
+    assert set(payload) == {"object", "message", "type", "param", "code"}
+    assert payload["object"] == "error" and payload["code"] == code and payload["param"] is None
+    assert fragment.lower() in payload["message"].lower(), payload["message"]
+
+
+BAD_BODIES = [
+    (b"{", "invalid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"query": NaN, "items": [], "label_token_ids": [1]}', "NaN"),
+    (b'\xff\xfe{"query": 1}', "UTF-8"),
+    (b"[" * 20000 + b"]" * 20000, "nested"),
+    ({"items": ["a"], "label_token_ids": [1]}, "'query'"),
+    ({"query": "q", "label_token_ids": [1]}, "'items'"),
+    ({"query": "q", "items": ["a"]}, "'label_token_ids'"),
+    ({"query": "q", "items": ["a"], "label_token_ids": []}, "must not be empty"),
+    ({"query": 5, "items": ["a"], "label_token_ids": [1]}, "query must be"),
+    ({"query": "q", "items": 5, "label_token_ids": [1]}, "items must be"),
+    ({"query": "q", "items": ["a", [1]], "label_token_ids": [1]}, "all strings"),
+    ({"query": [1, 2], "items": [1, 2], "label_token_ids": [1]}, "items must be"),
+    ({"query": "q", "items": ["a"], "label_token_ids": "1"}, "label_token_ids must be"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1.5]}, "label_token_ids must be"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [True]}, "label_token_ids must be"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [-1]}, "token id -1"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [320]}, "token id 320"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [10**30]}, f"token id {10**30}"),
+    ({"query": "q", "items": [[1, 2]], "label_token_ids": [1]}, "both be text or both"),
+    ({"query": [1, 2], "items": ["a"], "label_token_ids": [1]}, "both be text or both"),
+    ({"query": [1, 999], "items": [[1]], "label_token_ids": [1]}, "token id 999"),
+    ({"query": [1] * 250, "items": [[2] * 10], "label_token_ids": [1]}, "more than the maximum"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1], "apply_softmax": "yes"}, "boolean"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1], "item_first": 1}, "boolean"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1], "model": 3}, "model"),
+    ({"query": [], "items": [[]], "label_token_ids": [1]}, "empty"),
+]
+
+
+@pytest.mark.parametrize("body, fragment", BAD_BODIES)
+def test_bad_requests_get_400(port, body, fragment):
+    status, payload, _ = call(port, "POST", "/v1/score", body)
+    assert_error(status, payload, 400, fragment)
+
+
+def test_routes_and_methods(port):
+    assert_error(*call(port, "GET", "/v2/nothing")[:2], 404)
+    status, payload, headers = call(port, "GET", "/v1/score")
+    assert_error(status, payload, 405)
+    assert headers["Allow"] == "POST"
+    assert_error(*call(port, "POST", "/health")[:2], 405)
+
+
+def test_body_too_large_gets_413(port):
+    assert_error(*call(port, "POST", "/v1/score", b"x" * (1 << 17))[:2], 413)
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_score_response_shape_and_usage(port, engines):
+    status, payload, _ = call(port, "POST", "/v1/score", {**OK, "model": "my-model"})
+    assert status == 200
+    direct = engines["llama"].score(OK["query"], OK["items"], OK["label_token_ids"])
+    assert payload["model"] == "my-model" and payload["object"] == "scoring"
+    np.testing.assert_allclose(payload["scores"], direct.scores, rtol=1e-6)
+    n = direct.prompt_tokens
+    assert n == len(engines["llama"].tokenizer.encode(OK["query"])) + 1 + sum(
+        len(engines["llama"].tokenizer.encode(i)) for i in OK["items"])
+    assert payload["usage"] == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+
+
+def test_apply_softmax_both_ways(port):
+    _, soft, _ = call(port, "POST", "/v1/score", {**OK, "apply_softmax": True})
+    _, raw, _ = call(port, "POST", "/v1/score", {**OK, "apply_softmax": False})
+    np.testing.assert_allclose(np.sum(soft["scores"], axis=1), 1.0, atol=1e-9)
+    raw = np.array(raw["scores"])
+    assert ((raw > 0) & (raw < 1)).all() and (raw.sum(axis=1) < 1).all()
+    np.testing.assert_allclose(raw / raw.sum(axis=1, keepdims=True), soft["scores"], rtol=1e-5)
+
+
+def test_empty_items_and_single_string_item(port):
+    status, payload, _ = call(port, "POST", "/v1/score", {**OK, "items": []})
+    assert status == 200 and payload["scores"] == [] and payload["usage"]["prompt_tokens"] == 0
+    status, payload, _ = call(port, "POST", "/v1/score", {**OK, "items": " in Japan"})
+    assert status == 200 and len(payload["scores"]) == 1
+
+
+def test_unicode_text_and_token_ids(port, engines):
+    body = {"query": "héllo wörld, 世界", "items": ["🙂", "", "Ünï"], "label_token_ids": [3]}
+    status, payload, _ = call(port, "POST", "/v1/score", body)
+    assert status == 200
+    np.testing.assert_allclose(payload["scores"],
+                               engines["llama"].score(**body).scores, rtol=1e-6)
+    status, payload, _ = call(port, "POST", "/v1/score",
+                              {"query": [4, 5, 6], "items": [[7], [8, 9]], "label_token_ids": [1]})
+    assert status == 200 and payload["usage"]["prompt_tokens"] == 6
+
+
+def test_keep_alive_reuses_the_connection(port):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    assert call(port, "GET", "/health", conn=conn)[0] == 200
+    sock = conn.sock
+    assert call(port, "POST", "/v1/score", OK, conn=conn)[0] == 200
+    assert_error(*call(port, "POST", "/v1/score", b"{", conn=conn)[:2], 400)
+    assert call(port, "GET", "/v1/models", conn=conn)[0] == 200
+    assert conn.sock is sock
+    conn.close()
+
+
+def test_info_endpoints(port):
+    assert call(port, "GET", "/health")[:2] == (200, {"status": "ok"})
+    _, models, _ = call(port, "GET", "/v1/models")
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    _, info, _ = call(port, "GET", "/get_model_info")
+    assert info["is_generation"] is True and info["vocab_size"] == 320
+
+
+def raw_exchange(port, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("data", [b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n",
+                                  b"POST /v1/score HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                                  b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n"])
+def test_malformed_http_gets_400_and_server_survives(port, data):
+    assert raw_exchange(port, data).startswith(b"HTTP/1.1 400 ")
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_engine_bug_is_500_and_only_that_request_fails(engines, monkeypatch):
+    def broken(req):
+        raise RuntimeError("injected failure")
+    with serving(engines["llama"]) as p:
+        monkeypatch.setattr(engines["llama"], "score_request", broken)
+        assert_error(*call(p, "POST", "/v1/score", OK)[:2], 500, "injected failure")
+        monkeypatch.undo()
+        assert call(p, "POST", "/v1/score", OK)[0] == 200
+
+
+def test_saturated_server_answers_503(engines):
+    with serving(engines["llama"], ServerConfig(max_pending=0)) as p:
+        assert_error(*call(p, "POST", "/v1/score", OK)[:2], 503, "saturated")
+        assert call(p, "GET", "/health")[0] == 200
+
+
+def test_health_answers_during_a_forward(engines, monkeypatch):
+    engine = engines["llama"]
+    real = engine.score_request
+    monkeypatch.setattr(engine, "score_request", lambda req: (time.sleep(2.0), real(req))[1])
+    with serving(engine) as p:
+        worker = threading.Thread(target=call, args=(p, "POST", "/v1/score", OK))
+        worker.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert call(p, "GET", "/health")[0] == 200
+        assert time.monotonic() - start < 1.0
+        worker.join(30)

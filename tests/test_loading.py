@@ -1,0 +1,85 @@
+"""Checkpoint loading: the happy paths and the clear errors."""
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from model.config import config_from_hf
+from model.loader import load_model
+from tests.tiny_models import hf_config
+
+
+def copy_of(model_dirs, family, tmp_path):
+    dst = tmp_path / family
+    shutil.copytree(model_dirs[family], dst)
+    return str(dst)
+
+
+def test_sharded_checkpoint_loads(model_dirs):
+    assert os.path.isfile(os.path.join(model_dirs["qwen2"], "model.safetensors.index.json"))
+    cfg, params, _ = load_model(model_dirs["qwen2"])
+    assert cfg.qkv_bias and "bq" in params["layers"] and "head" in params
+
+
+def test_config_fields():
+    cfg = config_from_hf(hf_config("qwen3"))
+    assert (cfg.family, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == ("qwen3", 24, True, False)
+    cls = config_from_hf(hf_config("qwen3_cls"))
+    assert cls.is_classifier and cls.output_size == 3
+    assert config_from_hf(hf_config("llama")).tie_word_embeddings
+
+
+def test_bfloat16_params(model_dirs):
+    _, params, _ = load_model(model_dirs["qwen3"], "bfloat16")
+    assert params["layers"]["wq"].dtype.name == "bfloat16"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
+    ({"architectures": None}, "unsupported architectures"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+    ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
+])
+def test_bad_config_is_a_clear_error(change, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**hf_config("llama"), **change})
+
+
+def test_missing_files_are_clear_errors(model_dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(str(tmp_path / "nowhere"))
+    d = copy_of(model_dirs, "llama", tmp_path)
+    os.remove(os.path.join(d, "tokenizer.json"))
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        load_model(d)
+    os.remove(os.path.join(d, "config.json"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(d)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(d, "float16")
+
+
+def test_shape_mismatch_and_missing_tensor(model_dirs, tmp_path):
+    d = copy_of(model_dirs, "qwen3", tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name][:, :-1].copy()
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=rf"{name} has shape"):
+        load_model(d)
+    del tensors[name]
+    save_file(tensors, path)
+    with pytest.raises(KeyError, match=name):
+        load_model(d)
+
+
+def test_missing_shard_is_a_clear_error(model_dirs, tmp_path):
+    d = copy_of(model_dirs, "qwen2", tmp_path)
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        shard = sorted(set(json.load(f)["weight_map"].values()))[0]
+    os.remove(os.path.join(d, shard))
+    with pytest.raises(FileNotFoundError, match="missing safetensors shards"):
+        load_model(d)

@@ -1,0 +1,119 @@
+"""The reference kernels against direct NumPy readings of SPEC §3-§4."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.label_gather import final_norm_label_gather_reference
+from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_attention_reference,
+                                            write_kv_pages)
+
+LAYERS, HKV, HQ, D, PAGE, PAGES = 2, 2, 4, 16, 4, 24
+
+
+def ragged_case(rng):
+    """A causal sequence, a prefix-cached one (kv_len > q_len) and a multi-item one."""
+    seqs = [dict(q_len=5, kv_len=5, prefix=0, vis=[0] * 5),
+            dict(q_len=3, kv_len=9, prefix=0, vis=[0] * 3),
+            dict(q_len=9, kv_len=9, prefix=4, vis=[0] * 4 + [4] * 3 + [7] * 2)]
+    order = rng.permutation(PAGES)  # scrambled page tables
+    tables, used = [], 0
+    for s in seqs:
+        n = -(-s["kv_len"] // PAGE)
+        tables.append(order[used:used + n].tolist() + [0] * (3 - n))
+        used += n
+    return seqs, np.array(tables + [[0, 0, 0]], np.int32)  # plus one padding sequence
+
+
+def naive_attention(q, k_pages, v_pages, seqs, tables, layer):
+    out, t = [], 0
+    for s, table in zip(seqs, tables):
+        kv = np.arange(s["kv_len"])
+        k = k_pages[layer][:, table[kv // PAGE], kv % PAGE]  # [Hkv, kv_len, D]
+        v = v_pages[layer][:, table[kv // PAGE], kv % PAGE]
+        for i in range(s["q_len"]):
+            pos = s["kv_len"] - s["q_len"] + i
+            seen = (kv <= pos) & ((kv < s["prefix"]) | (kv >= s["vis"][i]))
+            for h in range(HQ):
+                logits = k[h // (HQ // HKV)][seen] @ q[t, h] / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                out.append((p / p.sum()) @ v[h // (HQ // HKV)][seen])
+            t += 1
+    return np.array(out).reshape(t, HQ, D)
+
+
+def test_attention_reference_matches_mask_rule():
+    rng = np.random.default_rng(0)
+    seqs, tables = ragged_case(rng)
+    k_pages = rng.standard_normal((LAYERS, HKV, PAGES, PAGE, D)).astype(np.float32)
+    v_pages = rng.standard_normal((LAYERS, HKV, PAGES, PAGE, D)).astype(np.float32)
+    n_tokens = sum(s["q_len"] for s in seqs)
+    q = rng.standard_normal((n_tokens + 3, HQ, D)).astype(np.float32)  # 3 padding tokens
+    cu = np.cumsum([0] + [s["q_len"] for s in seqs] + [0]).astype(np.int32)
+    md = AttentionMetadata(
+        cu_q_lens=jnp.asarray(cu), kv_lens=jnp.array([s["kv_len"] for s in seqs] + [0]),
+        page_indices=jnp.asarray(tables), prefix_lens=jnp.array([s["prefix"] for s in seqs] + [0]),
+        visible_from=jnp.array(sum((s["vis"] for s in seqs), []) + [0] * 3))
+    got = ragged_paged_attention_reference(jnp.asarray(q), k_pages, v_pages, 1, md,
+                                           sm_scale=D ** -0.5, max_q_len=16, q_block=8)
+    want = naive_attention(q, k_pages, v_pages, seqs, tables, layer=1)
+    np.testing.assert_allclose(np.asarray(got)[:n_tokens], want, atol=1e-5)
+    assert np.isfinite(np.asarray(got)).all()
+
+
+def test_write_kv_pages_writes_slots_and_drops_padding():
+    k = jnp.zeros((LAYERS, HKV, PAGES, PAGE, D))
+    new = jnp.arange(3 * HKV * D, dtype=jnp.float32).reshape(3, HKV, D) + 1
+    slots = jnp.array([5 * PAGE + 1, 2 * PAGE + 3, PAGES * PAGE])  # the last one is padding
+    k2, v2 = write_kv_pages(k, k, 1, new, -new, slots)
+    np.testing.assert_array_equal(k2[1, :, 5, 1], new[0])
+    np.testing.assert_array_equal(v2[1, :, 2, 3], -new[1])
+    assert float(jnp.abs(k2).sum()) == float(jnp.abs(new[:2]).sum())
+
+
+def test_attention_rejects_bad_shapes():
+    md = AttentionMetadata(jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32),
+                           jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32),
+                           jnp.zeros(4, jnp.int32))
+    pages = jnp.zeros((1, 2, 4, PAGE, D))
+    with pytest.raises(ValueError, match="GQA"):
+        ragged_paged_attention_reference(jnp.zeros((4, 3, D)), pages, pages, 0, md,
+                                         sm_scale=1.0, max_q_len=4)
+    with pytest.raises(ValueError, match="metadata"):
+        ragged_paged_attention_reference(jnp.zeros((5, 4, D)), pages, pages, 0, md,
+                                         sm_scale=1.0, max_q_len=4)
+
+
+def numpy_label_gather(hidden, norm_w, head, labels, eps, scale=1.0, softcap=None):
+    x = hidden / np.sqrt(np.mean(hidden ** 2, -1, keepdims=True) + eps) * norm_w
+    logits = x @ head.T * scale
+    if softcap:
+        logits = softcap * np.tanh(logits / softcap)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return np.take_along_axis(logits, labels, 1), lse
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_label_gather_reference(softcap):
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((7, 32)).astype(np.float32)
+    norm_w = rng.standard_normal(32).astype(np.float32)
+    head = rng.standard_normal((301, 32)).astype(np.float32)
+    labels = np.array([[0, 300, 5, 5]] * 7, np.int32)  # duplicates and the last row
+    want, want_lse = numpy_label_gather(hidden, norm_w, head, labels, 1e-6, 0.5, softcap)
+    got, lse = final_norm_label_gather_reference(hidden, norm_w, head, labels, eps=1e-6,
+                                                 with_logsumexp=True, logit_scale=0.5,
+                                                 softcap=softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    only_labels, none = final_norm_label_gather_reference(
+        hidden, norm_w, head, labels, eps=1e-6, with_logsumexp=False, logit_scale=0.5,
+        softcap=softcap)
+    assert none is None
+    np.testing.assert_allclose(only_labels, got, rtol=1e-6)
+
+
+def test_label_gather_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="disagree on H"):
+        final_norm_label_gather_reference(jnp.zeros((2, 8)), jnp.zeros(8), jnp.zeros((10, 4)),
+                                          jnp.zeros((2, 1), jnp.int32), eps=1e-6,
+                                          with_logsumexp=False)
