@@ -34,10 +34,13 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
                                       softcap: float | None = None):
     check_shapes(hidden, norm_weight, head, label_ids)
     x = rms_norm(hidden, norm_weight, eps)
-    rows = head[label_ids]  # [R, K, H]: only the label rows of the head
-    label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
-    label_logits = _finish(label_logits, logit_scale, softcap)
-    if not with_logsumexp:
-        return label_logits, None
-    logits = jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32)
-    return label_logits, jax.nn.logsumexp(_finish(logits, logit_scale, softcap), axis=-1)
+    n_labels, (vocab, width) = label_ids.shape[1], head.shape
+    if not with_logsumexp and n_labels * width <= vocab:
+        rows = head[label_ids]  # [R, K, H]: only the label rows of the head
+        label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
+        return _finish(label_logits, logit_scale, softcap), None
+    # The logsumexp needs every logit; so do label sets larger than the head itself.
+    logits = _finish(jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32),
+                     logit_scale, softcap)
+    label_logits = jnp.take_along_axis(logits, label_ids, axis=1)
+    return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None

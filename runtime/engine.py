@@ -22,11 +22,13 @@ class EngineConfig:
     page_size: int = 16
     max_batch_tokens: int = 8192  # new tokens in one forward
     max_seqs: int = 64            # sequences in one forward
+    max_rows: int = 256           # scored rows in one forward
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.page_size <= 0 or self.max_batch_tokens < self.page_size or self.max_seqs <= 0:
+        if (self.page_size <= 0 or self.max_batch_tokens < self.page_size
+                or self.max_seqs <= 0 or self.max_rows <= 0):
             raise ValueError(f"invalid engine config {self}")
 
     @property
@@ -119,17 +121,19 @@ class Engine:
         head = prefix + query
         for k, item in enumerate(items):
             self._prompt_check(len(head) + len(item), k)
-        chunks = item_chunks(len(head), [len(i) for i in items], self.engine_cfg.max_batch_tokens)
+        ec = self.engine_cfg
+        chunks = item_chunks(len(head), [len(i) for i in items], ec.max_batch_tokens, ec.max_rows)
         seqs = [multi_item_sequence(head, [items[k] for k in c]) for c in chunks]
         return self._group(seqs, [list(c) for c in chunks])
 
     def _group(self, seqs: list[Sequence], items: list[list[int]]) -> list[_Forward]:
         """Packs sequences into forwards within the token and sequence budgets."""
+        ec = self.engine_cfg
         forwards, cur, cur_items, used = [], [], [], 0
         for seq, its in zip(seqs, items):
             n = len(seq.tokens)
-            if cur and (used + n > self.engine_cfg.max_batch_tokens
-                        or len(cur) == self.engine_cfg.max_seqs):
+            if cur and (used + n > ec.max_batch_tokens or len(cur) == ec.max_seqs
+                        or len(cur_items) + len(its) > ec.max_rows):
                 forwards.append(_Forward(cur, cur_items))
                 cur, cur_items, used = [], [], 0
             cur, cur_items, used = cur + [seq], cur_items + its, used + n

@@ -32,11 +32,12 @@ def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
     return Sequence(tokens, positions, visible, prefix, rows)
 
 
-def item_chunks(query_len: int, item_lens: list[int], budget: int) -> list[range]:
-    """Groups consecutive items so that query + items of a group fit in `budget` tokens."""
+def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: int) -> list[range]:
+    """Groups consecutive items so that query + items of a group fit in `budget` tokens
+    and a group has at most `max_items` items (empty items cost a scored row, not a token)."""
     chunks, start, used = [], 0, query_len
     for k, n in enumerate(item_lens):
-        if k > start and used + n > budget:
+        if k > start and (used + n > budget or k - start == max_items):
             chunks.append(range(start, k))
             start, used = k, query_len
         used += n

@@ -1,4 +1,7 @@
-"""python -m server --model-path PATH --host H --port P --dtype D"""
+"""python -m server --model-path PATH --host H --port P --dtype D
+
+Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path).
+"""
 import asyncio
 
 from absl import app, flags, logging
@@ -23,13 +26,25 @@ async def serve() -> None:
     server = ScoreServer(engine, ServerConfig(model_name=FLAGS.model_path or "default",
                                               max_body_bytes=FLAGS.max_body_bytes))
     listener = await server.start(FLAGS.host, FLAGS.port)
+    port = listener.sockets[0].getsockname()[1]
     logging.info("serving %s on http://%s:%d", FLAGS.model_path or "SmolLM2-135M (embedded)",
-                 FLAGS.host, FLAGS.port)
+                 FLAGS.host, port)
     try:
         async with listener:
             await listener.serve_forever()
     finally:
         server.close()
+
+
+def _underscored(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    return FLAGS([argv[0]] + [_underscored(a) for a in argv[1:]])
 
 
 def main(argv) -> None:
@@ -38,4 +53,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -5,6 +5,7 @@ import pytest
 from model.gguf_loader import unpermute_rows
 from model.loader import embedded_model_path
 from runtime.engine import Engine
+from tests.assertions import assert_scores_close
 
 
 @pytest.fixture(scope="module")
@@ -54,4 +55,4 @@ def test_item_first_city_example(smollm):
     got = smollm.score(" is a city", ["Tokyo", "Japan"], paris + tokyo, item_first=True)
     single = [smollm.score(" is a city", [it], paris + tokyo, item_first=True).scores[0]
               for it in ("Tokyo", "Japan")]
-    np.testing.assert_allclose(got.scores, single, rtol=1e-5)
+    assert_scores_close(got.scores, single)

@@ -180,3 +180,27 @@ def test_health_answers_during_a_forward(engines, monkeypatch):
         assert call(p, "GET", "/health")[0] == 200
         assert time.monotonic() - start < 1.0
         worker.join(30)
+
+
+def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
+    import re
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
+                             "--port", "0", "--dtype=float32", "--max-batch-tokens", "512"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if match := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
+                break
+        else:
+            raise AssertionError("server did not report its port")
+        port = int(match.group(1))
+        assert call(port, "GET", "/health")[0] == 200
+        status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})
+        assert status == 200 and len(payload["scores"]) == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)

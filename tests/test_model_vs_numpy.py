@@ -61,3 +61,15 @@ def test_classifier_ignores_labels_and_returns_classes(engines):
     assert np.array(got.scores).shape == (2, 3)
     soft = engines["qwen3_cls"].score(QUERY, ["a", "b"], [1], apply_softmax=True)
     np.testing.assert_allclose(np.sum(soft.scores, axis=1), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_cls"])
+def test_bfloat16_engine_is_close_to_float32(model_dirs, engines, family):
+    from runtime.engine import Engine, EngineConfig
+    bf16 = Engine.from_path(model_dirs[family], EngineConfig(dtype="bfloat16", page_size=8,
+                                                             max_batch_tokens=256, max_seqs=8))
+    got = np.array(bf16.score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)
+    want = np.array(engines[family].score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)
+    assert bf16._cache.k.dtype == np.dtype("bfloat16")
+    np.testing.assert_allclose(got, want, atol=0.05)
+    np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-6)

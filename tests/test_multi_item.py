@@ -59,5 +59,16 @@ def test_multi_item_sequence_layout():
 
 
 def test_item_chunks_respect_budget():
-    assert item_chunks(4, [3, 3, 3, 10], budget=10) == [range(0, 2), range(2, 3), range(3, 4)]
-    assert item_chunks(4, [], budget=10) == []
+    assert item_chunks(4, [3, 3, 3, 10], 10, 8) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert item_chunks(4, [0] * 5, 10, max_items=2) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert item_chunks(4, [], 10, 8) == []
+
+
+def test_many_empty_items_are_split_by_rows(model_dirs):
+    eng = Engine.from_path(model_dirs["llama"], EngineConfig(page_size=8, max_batch_tokens=64,
+                                                             max_rows=16))
+    got = eng.score("a query", [""] * 50 + ["x"], [1, 2])
+    alone = eng.score("a query", [""], [1, 2]).scores[0]
+    assert len(got.scores) == 51
+    assert_scores_close(got.scores[:50], [alone] * 50)
+    assert eng.pages.free_count == eng.pages.num_pages

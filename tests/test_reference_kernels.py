@@ -93,12 +93,13 @@ def numpy_label_gather(hidden, norm_w, head, labels, eps, scale=1.0, softcap=Non
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_label_gather_reference(softcap):
+@pytest.mark.parametrize("repeats", [1, 4])  # 4 labels read rows; 16 labels read the whole head
+def test_label_gather_reference(softcap, repeats):
     rng = np.random.default_rng(1)
     hidden = rng.standard_normal((7, 32)).astype(np.float32)
     norm_w = rng.standard_normal(32).astype(np.float32)
     head = rng.standard_normal((301, 32)).astype(np.float32)
-    labels = np.array([[0, 300, 5, 5]] * 7, np.int32)  # duplicates and the last row
+    labels = np.array([[0, 300, 5, 5] * repeats] * 7, np.int32)  # duplicates, the last row
     want, want_lse = numpy_label_gather(hidden, norm_w, head, labels, 1e-6, 0.5, softcap)
     got, lse = final_norm_label_gather_reference(hidden, norm_w, head, labels, eps=1e-6,
                                                  with_logsumexp=True, logit_scale=0.5,
