@@ -144,8 +144,10 @@ class Engine:
         n_rows = sum(len(s.score_rows) for s in seqs)
         ec = self.engine_cfg
         with self._lock:
-            tables = [self.pages.allocate(pages_needed(len(s.tokens), ec.page_size)) for s in seqs]
+            tables = []
             try:
+                for seq in seqs:
+                    tables.append(self.pages.allocate(pages_needed(len(seq.tokens), ec.page_size)))
                 batch, max_q_len = build_batch(seqs, tables, [labels] * n_rows, ec.page_size,
                                                self.pages.num_pages * ec.page_size)
                 logits, lse, self._cache = self._step(
@@ -153,10 +155,19 @@ class Engine:
                     with_logsumexp=with_lse)
                 logits = np.asarray(logits, np.float64)[:n_rows, :len(labels)]
                 lse = np.asarray(lse, np.float64)[:n_rows] if with_lse else np.zeros(n_rows)
+            except BaseException:
+                self._restore_cache()
+                raise
             finally:
                 for pages in tables:
                     self.pages.release(pages)
         return logits, lse
+
+    def _restore_cache(self) -> None:
+        """A step that failed after taking the donated cache leaves it deleted: start a new one."""
+        if self._cache.k.is_deleted() or self._cache.v.is_deleted():
+            self._cache = empty_cache(self.cfg, self.engine_cfg.num_pages,
+                                      self.engine_cfg.page_size, DTYPES[self.engine_cfg.dtype])
 
     def _scores(self, logits: np.ndarray, lse: np.ndarray, apply_softmax: bool) -> np.ndarray:
         if apply_softmax:
