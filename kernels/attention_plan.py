@@ -1,0 +1,92 @@
+"""Host-side block plan for the ragged paged attention kernel.
+
+Queries are cut into blocks of `q_block` tokens that never straddle sequences. For every
+q block the plan lists the KV blocks some row of it can see (SPEC §4): the prefix blocks
+[0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items the q block
+overlaps. Other blocks are absent: the kernel neither copies nor multiplies them.
+The (q block, KV block) pairs are flattened into the kernel's 1-D grid of steps.
+"""
+import dataclasses
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+FIRST, LAST, NOOP = 1, 2, 4  # step flags
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    q_block: int = 32    # query tokens per block
+    kv_block: int = 128  # KV positions per block, a multiple of the page size
+
+    def check(self, page_size: int) -> None:
+        if self.q_block % 8 or self.kv_block % page_size:
+            raise ValueError(f"{self}: q_block must be a multiple of 8 and kv_block a multiple "
+                             f"of the page size {page_size}")
+
+
+class AttentionPlan(NamedTuple):
+    block_tokens: np.ndarray  # [NB, bq] packed token index of each row (0 for padding rows)
+    row_pos: np.ndarray       # [NB, bq] KV position of each row (-1 for padding rows)
+    row_vis: np.ndarray       # [NB, bq] visible-from a(i) of each row
+    block_seq: np.ndarray     # [NB] sequence of each q block
+    step_block: np.ndarray    # [NS] q block of each grid step
+    step_kv: np.ndarray       # [NS] KV block (within its sequence) of each step
+    step_flags: np.ndarray    # [NS] FIRST | LAST of its q block, NOOP for padding steps
+    token_block: np.ndarray   # [T] q block of each packed token
+    token_row: np.ndarray     # [T] row of each packed token in its q block
+
+
+def visited_kv_blocks(plan: AttentionPlan) -> int:
+    """KV blocks the kernel copies and multiplies (padding steps excluded)."""
+    return int(np.sum((np.asarray(plan.step_flags) & NOOP) == 0))
+
+
+def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, prefix_len: int, kv_block: int):
+    """KV block indices some row (kv position `pos`, visible-from `vis`) can see."""
+    p_max, a_min = int(pos.max()), int(vis.min())
+    blocks = set(range(a_min // kv_block, p_max // kv_block + 1))
+    prefix_end = min(prefix_len, p_max + 1)
+    if prefix_end > 0:
+        blocks |= set(range((prefix_end - 1) // kv_block + 1))
+    return sorted(blocks)
+
+
+def _pad(rows: list, size: int, fill, row_shape=()) -> np.ndarray:
+    out = np.full((size, *row_shape), fill, np.int32)
+    if rows:
+        out[:len(rows)] = rows
+    return out
+
+
+def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
+               pad: Callable[[int], int] = lambda n: n) -> AttentionPlan:
+    """`pad(n)` gives the padded count of q blocks and of steps (jit shape buckets)."""
+    cu, kv_lens = np.asarray(cu_q_lens), np.asarray(kv_lens)
+    visible_from, bq = np.asarray(visible_from), sizes.q_block
+    n_tokens = len(visible_from)
+    tokens, pos, vis, seqs, steps = [], [], [], [], []
+    token_block, token_row = np.zeros(n_tokens, np.int32), np.zeros(n_tokens, np.int32)
+    for s in range(len(kv_lens)):
+        q_len = int(cu[s + 1] - cu[s])
+        for start in range(0, q_len, bq):
+            t = np.arange(cu[s] + start, cu[s] + min(start + bq, q_len))
+            p = kv_lens[s] - q_len + (t - cu[s])
+            kv = needed_kv_blocks(p, visible_from[t], int(prefix_lens[s]), sizes.kv_block)
+            block = len(seqs)
+            steps += [(block, k, FIRST * (i == 0) | LAST * (i == len(kv) - 1))
+                      for i, k in enumerate(kv)]
+            token_block[t], token_row[t] = block, np.arange(len(t))
+            tokens.append(np.pad(t, (0, bq - len(t))))
+            pos.append(np.pad(p, (0, bq - len(t)), constant_values=-1))
+            vis.append(np.pad(visible_from[t], (0, bq - len(t))))
+            seqs.append(s)
+    n_blocks, n_steps = pad(max(len(seqs), 1)), pad(max(len(steps), 1))
+    last = steps[-1] if steps else (0, 0, 0)
+    steps += [(last[0], last[1], NOOP)] * (n_steps - len(steps))
+    step_block, step_kv, step_flags = (np.array(c, np.int32) for c in zip(*steps))
+    return AttentionPlan(
+        block_tokens=_pad(tokens, n_blocks, 0, (bq,)), row_pos=_pad(pos, n_blocks, -1, (bq,)),
+        row_vis=_pad(vis, n_blocks, 0, (bq,)), block_seq=_pad(seqs, n_blocks, 0),
+        step_block=step_block, step_kv=step_kv, step_flags=step_flags,
+        token_block=token_block, token_row=token_row)

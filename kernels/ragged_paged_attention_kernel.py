@@ -1,0 +1,162 @@
+"""Ragged paged attention with the multi-item mask: the Pallas TPU kernel.
+
+Same semantics as `ragged_paged_attention_reference`. The grid walks the steps of an
+AttentionPlan: one (q block, visible KV block) pair per step. KV pages stay in HBM and are
+copied page by page into a two-slot VMEM buffer, the next step's pages in flight while the
+current step computes. Page tables, lengths and the plan live in SMEM (scalar prefetch).
+The online softmax (max, sum, accumulator) is float32, one KV head at a time, its GQA group
+of query heads stacked as rows.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes
+from kernels.ragged_paged_attention import AttentionMetadata, check_shapes
+
+_LANES = 128
+_MASKED = -1e30
+
+
+def _page_copies(step, slot, refs, *, pages_per_seq, pages_per_block):
+    (layer_ref, step_block_ref, step_kv_ref, block_seq_ref, pages_ref,
+     k_hbm, v_hbm, k_buf, v_buf, sems) = refs
+    seq = block_seq_ref[step_block_ref[step]]
+    first_page = seq * pages_per_seq + step_kv_ref[step] * pages_per_block
+    copies = []
+    for j in range(pages_per_block):
+        page = pages_ref[first_page + j]
+        for n, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+            copies.append(pltpu.make_async_copy(src.at[layer_ref[0], :, page], dst.at[slot, j],
+                                                sems.at[n, slot]))
+    return copies
+
+
+def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, h, sm_scale):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale
+    s = jnp.where(mask, s, _MASKED)
+    m_prev, l_prev = m_ref[h], l_ref[h]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, lanes]
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+    l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[h] = m_next
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+
+
+def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_ref, pages_ref,
+            kv_lens_ref, prefix_lens_ref,
+            q_ref, pos_ref, vis_ref, k_hbm, v_hbm,
+            o_ref,
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
+            *, sm_scale, pages_per_seq, pages_per_block, kv_block):
+    i, n = pl.program_id(0), pl.num_programs(0)
+    refs = (layer_ref, step_block_ref, step_kv_ref, block_seq_ref, pages_ref,
+            k_hbm, v_hbm, k_buf, v_buf, sems)
+    copies = functools.partial(_page_copies, refs=refs, pages_per_seq=pages_per_seq,
+                               pages_per_block=pages_per_block)
+    flags = step_flags_ref[i]
+    active = (flags & NOOP) == 0
+    nxt = jnp.minimum(i + 1, n - 1)
+
+    @pl.when((i == 0) & active)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+
+    @pl.when((i + 1 < n) & ((step_flags_ref[nxt] & NOOP) == 0))
+    def _():
+        for c in copies(nxt, nxt % 2):
+            c.start()
+
+    @pl.when(active)
+    def _():
+        slot = i % 2
+        for c in copies(i, slot):
+            c.wait()
+
+        @pl.when((flags & FIRST) != 0)
+        def _():
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        seq = block_seq_ref[step_block_ref[i]]
+        rows = q_ref.shape[2]
+        col = step_kv_ref[i] * kv_block + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
+        pos, vis = pos_ref[0], vis_ref[0]  # [rows, 1]
+        mask = ((col <= pos) & ((col < prefix_lens_ref[seq]) | (col >= vis))
+                & (col < kv_lens_ref[seq]))
+        k_all, v_all = k_buf[slot], v_buf[slot]  # [pages_per_block, Hkv, page, D]
+        for h in range(q_ref.shape[1]):
+            k = k_all[:, h].reshape(kv_block, -1)
+            v = v_all[:, h].reshape(kv_block, -1)
+            _online_softmax_step(q_ref[0, h], k, v, mask, m_ref, l_ref, acc_ref, h, sm_scale)
+
+        @pl.when((flags & LAST) != 0)
+        def _():
+            o_ref[0] = (acc_ref[...] / l_ref[...][:, :, :1]).astype(o_ref.dtype)
+
+
+def _cost(plan_steps: int, rows: int, hkv: int, d: int, kv_block: int, itemsize: int):
+    flops = 4 * plan_steps * hkv * rows * kv_block * d
+    kv_bytes = 2 * plan_steps * hkv * kv_block * d * itemsize
+    return pl.CostEstimate(flops=flops, transcendentals=plan_steps * hkv * rows * kv_block,
+                           bytes_accessed=kv_bytes)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
+                           sm_scale: float, max_q_len: int, plan: AttentionPlan,
+                           sizes: BlockSizes, interpret=False):
+    """Pallas kernel; `plan` comes from `build_plan` on the same metadata and block sizes."""
+    del max_q_len  # the plan bounds the work
+    check_shapes(q, k_pages, v_pages, md)
+    n_layers, hkv, _, page_size, d = k_pages.shape
+    sizes.check(page_size)
+    t, hq, _ = q.shape
+    group, bq = hq // hkv, sizes.q_block
+    if plan.block_tokens.shape[1] != bq:
+        raise ValueError(f"plan q blocks of {plan.block_tokens.shape[1]} rows, sizes say {bq}")
+    n_blocks, rows = plan.block_tokens.shape[0], group * bq
+    ppb = sizes.kv_block // page_size
+    pages = md.page_indices
+    pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
+    q_blocks = q[plan.block_tokens].reshape(n_blocks, bq, hkv, group, d)
+    q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(n_blocks, hkv, rows, d)
+    per_row = lambda x: jnp.tile(x, (1, group))[:, :, None]  # noqa: E731  rows are (g, t)
+    block_map = lambda i, lyr, sb, *_: (sb[i], 0, 0, 0)  # noqa: E731
+    row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
+                               pages_per_block=ppb, kv_block=sizes.kv_block)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=8,
+        grid=(plan.step_block.shape[0],),
+        in_specs=[pl.BlockSpec((1, hkv, rows, d), block_map),
+                  pl.BlockSpec((1, rows, 1), row_map),
+                  pl.BlockSpec((1, rows, 1), row_map),
+                  pl.BlockSpec(memory_space=pl.ANY),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((1, hkv, rows, d), block_map),
+        scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
+                        pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.VMEM((hkv, rows, _LANES), jnp.float32),
+                        pltpu.VMEM((hkv, rows, _LANES), jnp.float32),
+                        pltpu.VMEM((hkv, rows, d), jnp.float32)])
+    out = pl.pallas_call(
+        kernel, grid_spec=grid_spec, name="ragged_paged_attention",
+        out_shape=jax.ShapeDtypeStruct((n_blocks, hkv, rows, d), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=_cost(plan.step_block.shape[0], rows, hkv, d, sizes.kv_block,
+                            k_pages.dtype.itemsize),
+        interpret=interpret,
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_kv,
+      plan.step_flags, plan.block_seq, pages.reshape(-1), md.kv_lens, md.prefix_lens,
+      q_blocks, per_row(plan.row_pos), per_row(plan.row_vis), k_pages, v_pages)
+    out = out.reshape(n_blocks, hkv, group, bq, d).transpose(0, 3, 1, 2, 4)
+    return out.reshape(n_blocks, bq, hq, d)[plan.token_block, plan.token_row]

@@ -1,0 +1,118 @@
+"""The Pallas ragged paged attention kernel vs the reference, in TPU interpret mode on CPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from kernels.attention_plan import AttentionPlan, BlockSizes, build_plan, visited_kv_blocks
+from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_attention_reference,
+                                            visible_mask)
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from runtime.buckets import bucket
+from tests.attention_cases import random_batch
+
+
+def plan_for(md, sizes, pad=bucket):
+    return build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes, pad)
+
+
+def run_both(q, k, v, md, sizes, interpret, layer=1):
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes))
+    kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=64)
+    got = ragged_paged_attention(q, k, v, layer, md, plan=plan, sizes=sizes,
+                                 interpret=interpret, **kw)
+    return np.asarray(got, np.float32), np.asarray(
+        ragged_paged_attention_reference(q, k, v, layer, md, **kw), np.float32)
+
+
+CASES = [  # (specs, hq, hkv, d, page_size, sizes, dtype)
+    ([("items", 10, [5, 0, 9, 1, 3]), ("causal", 7)], 4, 2, 64, 8, BlockSizes(8, 16), jnp.float32),
+    ([("cached", 13, 6), ("items", 3, [1, 1, 0, 12])], 2, 2, 128, 16, BlockSizes(8, 16), jnp.float32),
+    ([("items", 9, [4] * 5), ("cached", 20, 3)], 8, 2, 64, 8, BlockSizes(16, 8), jnp.float32),
+    ([("causal", 21), ("items", 6, [7, 2])], 4, 1, 128, 16, BlockSizes(8, 32), jnp.bfloat16),
+    ([("items", 12, [17]), ("causal", 1)], 4, 4, 64, 8, BlockSizes(8, 16), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_reference(case):
+    specs, hq, hkv, d, page, sizes, dtype = CASES[case]
+    q, k, v, md, n = random_batch(np.random.default_rng(case), specs, hq=hq, hkv=hkv, d=d,
+                                  page_size=page, dtype=dtype)
+    got, want = run_both(q, k, v, md, sizes, pltpu.InterpretParams())
+    assert not np.isnan(got[:n]).any()
+    np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_kernel_has_no_dma_races(mode):
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    q, k, v, md, n = random_batch(np.random.default_rng(9), [("items", 5, [3, 6]), ("cached", 9, 4)],
+                                  hq=4, hkv=2, d=64, page_size=8, dtype=jnp.float32)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    got, want = run_both(q, k, v, md, BlockSizes(8, 8), params)
+    assert not interpret_pallas_call.races.races_found
+    np.testing.assert_allclose(got[:n], want[:n], atol=1e-5)
+
+
+def brute_force_blocks(md, sizes):
+    """Per q block of the plan, the KV blocks that some row of it can see."""
+    plan = plan_for(md, sizes, pad=lambda x: x)
+    needed = []
+    for b in range(plan.block_tokens.shape[0]):
+        s, pos, vis = plan.block_seq[b], plan.row_pos[b], plan.row_vis[b]
+        real = pos >= 0
+        kv_pos = np.arange(int(md.kv_lens[s]))
+        seen = np.asarray(visible_mask(pos[real], vis[real], int(md.prefix_lens[s]),
+                                       int(md.kv_lens[s]), kv_pos)).any(axis=0)
+        needed.append(sorted(set(kv_pos[seen] // sizes.kv_block)))
+    return plan, needed
+
+
+def test_sixty_four_items_visit_only_prefix_and_own_item_blocks():
+    items = [18] * 64
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("items", 120, items)], hq=1,
+                                  hkv=1, d=8, page_size=16, dtype=jnp.float32)
+    sizes = BlockSizes(16, 16)
+    plan, needed = brute_force_blocks(md, sizes)
+    steps = [[int(k) for bb, k in zip(plan.step_block, plan.step_kv) if bb == b]
+             for b in range(len(needed))]
+    assert steps == needed  # every visited block is seen by some row, and no more
+    total = 120 + 18 * 64
+    q_blocks = -(-total // 16)
+    dense_causal = q_blocks * (q_blocks + 1) // 2
+    assert visited_kv_blocks(plan) == sum(map(len, needed)) < dense_causal / 4
+
+
+def test_padding_steps_are_not_counted():
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
+                                  page_size=8, dtype=jnp.float32)
+    plan = plan_for(md, BlockSizes(8, 8))
+    assert len(plan.step_block) == 16 and visited_kv_blocks(plan) == 15  # 5 q blocks: 1+2+...+5
+
+
+@pytest.mark.parametrize("dtype, d, hq, hkv, page", [
+    (jnp.float32, 64, 9, 3, 16), (jnp.bfloat16, 64, 9, 3, 16),
+    (jnp.bfloat16, 128, 16, 8, 32), (jnp.float32, 128, 8, 2, 128)])
+def test_kernel_lowers_for_tpu(dtype, d, hq, hkv, page):
+    sizes = BlockSizes(32, max(128, page))
+    t, s, p, nb, ns = 256, 4, 16, 16, 64
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pages = sds((2, hkv, 64, page, d), dtype)
+    md = AttentionMetadata(sds((s + 1,), i32), sds((s,), i32), sds((s, p), i32), sds((s,), i32),
+                           sds((t,), i32))
+    plan = AttentionPlan(*[sds((nb, 32), i32)] * 3, sds((nb,), i32), *[sds((ns,), i32)] * 3,
+                         sds((t,), i32), sds((t,), i32))
+
+    def fn(q, k, v, layer, md, plan):
+        return ragged_paged_attention(q, k, v, layer, md, sm_scale=0.1, max_q_len=t, plan=plan,
+                                      sizes=sizes)
+
+    dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    with use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
+            sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
+    assert "tpu_custom_call" in exported.mlir_module()
