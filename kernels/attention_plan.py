@@ -25,6 +25,17 @@ class BlockSizes:
                              f"of the page size {page_size}")
 
 
+# Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads.
+_DEFAULT_BLOCKS = {"TPU v6 lite": (128, 512), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
+                   "TPU v4": (128, 256)}
+_INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
+
+
+def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
+    q_block, kv_block = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
+    return BlockSizes(q_block, -(-kv_block // page_size) * page_size)
+
+
 class AttentionPlan(NamedTuple):
     block_tokens: np.ndarray  # [NB, bq] packed token index of each row (0 for padding rows)
     row_pos: np.ndarray       # [NB, bq] KV position of each row (-1 for padding rows)

@@ -9,7 +9,7 @@ Token t of sequence s sits at KV position p(t) = kv_lens[s] - q_len[s] + (t - cu
 it sees KV position j iff  j <= p(t)  and  (j < prefix_lens[s]  or  j >= visible_from[t]).
 Causal sequences have prefix_lens = visible_from = 0.
 """
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ class AttentionMetadata(NamedTuple):
     page_indices: jax.Array  # [S, pages_per_seq] int32, page table
     prefix_lens: jax.Array   # [S] int32, shared prefix length L (0: plain causal)
     visible_from: jax.Array  # [T] int32, a(t): first non-prefix KV position token t sees
+    plan: Any = None         # AttentionPlan for the Pallas kernel (host-built); unused here
 
 
 def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
@@ -81,8 +82,7 @@ def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, prefix_len, kv_len, sm
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                                      sm_scale: float, max_q_len: int, q_block: int = 256):
     """Reference path. Every sequence must have at most `max_q_len` new tokens."""
-    q, k_pages, v_pages = jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages)
-    md = AttentionMetadata(*map(jnp.asarray, md))
+    q, k_pages, v_pages, md = jax.tree.map(jnp.asarray, (q, k_pages, v_pages, md))
     check_shapes(q, k_pages, v_pages, md)
     t, hq, d = q.shape
     n_seqs, pages_per_seq = md.page_indices.shape

@@ -111,11 +111,13 @@ def _cost(plan_steps: int, rows: int, hkv: int, d: int, kv_block: int, itemsize:
 
 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
-                           sm_scale: float, max_q_len: int, plan: AttentionPlan,
-                           sizes: BlockSizes, interpret=False):
-    """Pallas kernel; `plan` comes from `build_plan` on the same metadata and block sizes."""
+                           sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False):
+    """Pallas kernel; `md.plan` comes from `build_plan` on the same metadata and block sizes."""
     del max_q_len  # the plan bounds the work
     check_shapes(q, k_pages, v_pages, md)
+    plan = md.plan
+    if not isinstance(plan, AttentionPlan):
+        raise ValueError("the Pallas kernel needs metadata.plan (kernels.attention_plan.build_plan)")
     n_layers, hkv, _, page_size, d = k_pages.shape
     sizes.check(page_size)
     t, hq, _ = q.shape

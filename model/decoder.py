@@ -8,10 +8,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
+from kernels.attention_plan import BlockSizes
 from kernels.label_gather import final_norm_label_gather_reference
 from kernels.ragged_paged_attention import (ragged_paged_attention_reference,
                                             write_kv_pages)
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.rms_norm import rms_norm
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
@@ -78,15 +81,27 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     return x, cache
 
 
-def reference_attention(cfg: ModelConfig, max_q_len: int) -> Callable:
-    return functools.partial(ragged_paged_attention_reference,
-                             sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
+ATTENTION_BACKENDS = ("reference", "pallas", "interpret")
+
+
+def attention_impl(cfg: ModelConfig, max_q_len: int, backend: str,
+                   sizes: BlockSizes | None) -> Callable:
+    """reference: plain JAX (any platform); pallas: the TPU kernel; interpret: the same
+    kernel in the TPU interpreter (CPU tests). The kernels need batch.attention.plan."""
+    kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
+    if backend == "reference":
+        return functools.partial(ragged_paged_attention_reference, **kw)
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    interpret = pltpu.InterpretParams() if backend == "interpret" else False
+    return functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw)
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
-                  max_q_len: int, with_logsumexp: bool):
+                  max_q_len: int, with_logsumexp: bool, backend: str = "reference",
+                  sizes: BlockSizes | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
-    attention = reference_attention(cfg, max_q_len)
+    attention = attention_impl(cfg, max_q_len, backend, sizes)
     x, cache = hidden_states(params, cfg, cache, batch, attention)
     label_logits, lse = final_norm_label_gather_reference(
         x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,

@@ -5,6 +5,7 @@ padding sequences have no tokens and no KV, padding rows and labels are ignored.
 """
 import numpy as np
 
+from kernels.attention_plan import BlockSizes, build_plan
 from kernels.ragged_paged_attention import AttentionMetadata
 from model.batch import ForwardBatch
 from runtime.buckets import bucket
@@ -28,8 +29,10 @@ def _slots(seq: Sequence, pages: list[int], page_size: int) -> list[int]:
 
 
 def build_batch(seqs: list[Sequence], page_tables: list[list[int]], row_labels: list[list[int]],
-                page_size: int, num_slots: int) -> tuple[ForwardBatch, int]:
-    """Returns the padded batch and the static max new tokens per sequence."""
+                page_size: int, num_slots: int, sizes: BlockSizes | None = None
+                ) -> tuple[ForwardBatch, int]:
+    """Returns the padded batch and the static max new tokens per sequence.
+    With block `sizes`, the attention metadata carries the Pallas kernel's block plan."""
     lens = [len(s.tokens) for s in seqs]
     n_tokens = bucket(sum(lens), MIN_TOKENS)
     n_seqs = bucket(len(seqs))
@@ -47,6 +50,10 @@ def build_batch(seqs: list[Sequence], page_tables: list[list[int]], row_labels: 
         page_indices=table,
         prefix_lens=_pad([s.prefix_len for s in seqs], n_seqs),
         visible_from=_pad([a for s in seqs for a in s.visible_from], n_tokens))
+    if sizes is not None:
+        plan = build_plan(attention.cu_q_lens, attention.kv_lens, attention.prefix_lens,
+                          attention.visible_from, sizes, pad=bucket)
+        attention = attention._replace(plan=plan)
     batch = ForwardBatch(
         tokens=_pad([t for s in seqs for t in s.tokens], n_tokens),
         positions=_pad([p for s in seqs for p in s.positions], n_tokens),

@@ -5,8 +5,9 @@ import threading
 import jax
 import numpy as np
 
+from kernels.attention_plan import BlockSizes, default_block_sizes
 from model.config import ModelConfig
-from model.decoder import empty_cache, score_forward
+from model.decoder import ATTENTION_BACKENDS, empty_cache, score_forward
 from model.loader import DTYPES, load_model
 from model.tokenizer import TextTokenizer
 from runtime.batch_builder import build_batch, pages_needed
@@ -23,6 +24,9 @@ class EngineConfig:
     max_batch_tokens: int = 8192  # new tokens in one forward
     max_seqs: int = 64            # sequences in one forward
     max_rows: int = 256           # scored rows in one forward
+    attention_backend: str = "auto"  # "auto": the Pallas kernel on TPU, the reference elsewhere
+    q_block: int = 0              # Pallas block sizes; 0: from the table for this device kind
+    kv_block: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -30,6 +34,21 @@ class EngineConfig:
         if (self.page_size <= 0 or self.max_batch_tokens < self.page_size
                 or self.max_seqs <= 0 or self.max_rows <= 0):
             raise ValueError(f"invalid engine config {self}")
+        if self.attention_backend not in ("auto",) + ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}")
+
+    def backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "pallas" if jax.default_backend() == "tpu" else "reference"
+
+    def block_sizes(self) -> BlockSizes | None:
+        if self.backend() == "reference":
+            return None
+        default = default_block_sizes(jax.devices()[0].device_kind, self.page_size)
+        sizes = BlockSizes(self.q_block or default.q_block, self.kv_block or default.kv_block)
+        sizes.check(self.page_size)
+        return sizes
 
     @property
     def num_pages(self) -> int:
@@ -56,8 +75,9 @@ class Engine:
         self.pages = PageAllocator(engine_cfg.num_pages)
         self._cache = empty_cache(cfg, engine_cfg.num_pages, engine_cfg.page_size,
                                   DTYPES[engine_cfg.dtype])
-        self._step = jax.jit(score_forward, static_argnames=("cfg", "max_q_len", "with_logsumexp"),
-                             donate_argnames=("cache",))
+        self.backend, self.block_sizes = engine_cfg.backend(), engine_cfg.block_sizes()
+        self._step = jax.jit(score_forward, donate_argnames=("cache",), static_argnames=(
+            "cfg", "max_q_len", "with_logsumexp", "backend", "sizes"))
         self._lock = threading.Lock()
 
     @classmethod
@@ -149,10 +169,11 @@ class Engine:
                 for seq in seqs:
                     tables.append(self.pages.allocate(pages_needed(len(seq.tokens), ec.page_size)))
                 batch, max_q_len = build_batch(seqs, tables, [labels] * n_rows, ec.page_size,
-                                               self.pages.num_pages * ec.page_size)
+                                               self.pages.num_pages * ec.page_size,
+                                               self.block_sizes)
                 logits, lse, self._cache = self._step(
                     self.params, self._cache, batch, cfg=self.cfg, max_q_len=max_q_len,
-                    with_logsumexp=with_lse)
+                    with_logsumexp=with_lse, backend=self.backend, sizes=self.block_sizes)
                 logits = np.asarray(logits, np.float64)[:n_rows, :len(labels)]
                 lse = np.asarray(lse, np.float64)[:n_rows] if with_lse else np.zeros(n_rows)
             except BaseException:

@@ -17,12 +17,15 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and acti
 flags.DEFINE_integer("page_size", 16, "tokens per KV page")
 flags.DEFINE_integer("max_batch_tokens", 8192, "new tokens in one forward pass")
 flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
+flags.DEFINE_enum("attention_backend", "auto", ["auto", "pallas", "reference", "interpret"],
+                  "auto: the Pallas kernel on TPU, the plain-JAX reference elsewhere")
 FLAGS = flags.FLAGS
 
 
 async def serve() -> None:
     engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-        dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_batch_tokens=FLAGS.max_batch_tokens))
+        dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_batch_tokens=FLAGS.max_batch_tokens,
+        attention_backend=FLAGS.attention_backend))
     server = ScoreServer(engine, ServerConfig(model_name=FLAGS.model_path or "default",
                                               max_body_bytes=FLAGS.max_body_bytes))
     listener = await server.start(FLAGS.host, FLAGS.port)

@@ -21,7 +21,7 @@ def plan_for(md, sizes, pad=bucket):
 def run_both(q, k, v, md, sizes, interpret, layer=1):
     plan = jax.tree.map(jnp.asarray, plan_for(md, sizes))
     kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=64)
-    got = ragged_paged_attention(q, k, v, layer, md, plan=plan, sizes=sizes,
+    got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
                                  interpret=interpret, **kw)
     return np.asarray(got, np.float32), np.asarray(
         ragged_paged_attention_reference(q, k, v, layer, md, **kw), np.float32)
@@ -107,8 +107,8 @@ def test_kernel_lowers_for_tpu(dtype, d, hq, hkv, page):
                          sds((t,), i32), sds((t,), i32))
 
     def fn(q, k, v, layer, md, plan):
-        return ragged_paged_attention(q, k, v, layer, md, sm_scale=0.1, max_q_len=t, plan=plan,
-                                      sizes=sizes)
+        return ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sm_scale=0.1,
+                                      max_q_len=t, sizes=sizes)
 
     dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
@@ -116,3 +116,17 @@ def test_kernel_lowers_for_tpu(dtype, d, hq, hkv, page):
         exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
             sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_model_in_interpret_mode_equals_reference_path(model_dirs, engines, family):
+    from runtime.engine import Engine, EngineConfig
+    from tests.assertions import assert_scores_close
+    interp = Engine.from_path(model_dirs[family], EngineConfig(
+        page_size=8, max_batch_tokens=256, max_seqs=8, attention_backend="interpret",
+        q_block=8, kv_block=16))
+    assert interp.backend == "interpret" and engines[family].backend == "reference"
+    args = ("Answer Yes or No:", ["", " Paris", " the flag of Tokyo"], [3, 4])
+    for item_first in (False, True):
+        assert_scores_close(interp.score(*args, item_first=item_first).scores,
+                            engines[family].score(*args, item_first=item_first).scores)
