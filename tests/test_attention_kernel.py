@@ -6,7 +6,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from kernels.attention_plan import AttentionPlan, BlockSizes, build_plan, visited_kv_blocks
+from kernels.attention_plan import (AttentionPlan, BlockSizes, build_plan, default_block_sizes,
+                                    visited_kv_blocks)
 from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_attention_reference,
                                             visible_mask)
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
@@ -20,7 +21,7 @@ def plan_for(md, sizes, pad=bucket):
 
 def run_both(q, k, v, md, sizes, interpret, layer=1):
     plan = jax.tree.map(jnp.asarray, plan_for(md, sizes))
-    kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=64)
+    kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=bucket(int(np.diff(md.cu_q_lens).max())))
     got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
                                  interpret=interpret, **kw)
     return np.asarray(got, np.float32), np.asarray(
@@ -33,7 +34,37 @@ CASES = [  # (specs, hq, hkv, d, page_size, sizes, dtype)
     ([("items", 9, [4] * 5), ("cached", 20, 3)], 8, 2, 64, 8, BlockSizes(16, 8), jnp.float32),
     ([("causal", 21), ("items", 6, [7, 2])], 4, 1, 128, 16, BlockSizes(8, 32), jnp.bfloat16),
     ([("items", 12, [17]), ("causal", 1)], 4, 4, 64, 8, BlockSizes(8, 16), jnp.bfloat16),
+    ([("items", 4, [1, 0, 2, 1] * 16)], 4, 2, 64, 8, BlockSizes(16, 16), jnp.float32),  # 64 items
 ]
+
+
+def random_specs(rng):
+    """Two or three sequences, each causal, prefix-cached, or a multi-item request."""
+    specs = []
+    for _ in range(int(rng.integers(2, 4))):
+        kind = rng.choice(["causal", "cached", "items"])
+        if kind == "causal":
+            specs.append(("causal", int(rng.integers(1, 20))))
+        elif kind == "cached":
+            specs.append(("cached", int(rng.integers(1, 20)), int(rng.integers(1, 10))))
+        else:
+            items = rng.integers(0, 7, int(rng.integers(1, 6))).tolist()
+            specs.append(("items", int(rng.integers(1, 12)), items))
+    return specs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_matches_reference_on_random_batches(seed):
+    rng = np.random.default_rng(100 + seed)
+    hkv = int(rng.choice([1, 2]))
+    hq = hkv * int(rng.choice([1, 2, 4]))
+    d, page = int(rng.choice([64, 128])), int(rng.choice([8, 16]))
+    dtype = jnp.float32 if seed % 2 == 0 else jnp.bfloat16
+    q, k, v, md, n = random_batch(rng, random_specs(rng), hq=hq, hkv=hkv, d=d, page_size=page,
+                                  dtype=dtype)
+    got, want = run_both(q, k, v, md, BlockSizes(8, 2 * page), pltpu.InterpretParams())
+    assert not np.isnan(got[:n]).any()
+    np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -93,17 +124,22 @@ def test_padding_steps_are_not_counted():
     assert len(plan.step_block) == 16 and visited_kv_blocks(plan) == 15  # 5 q blocks: 1+2+...+5
 
 
-@pytest.mark.parametrize("dtype, d, hq, hkv, page", [
-    (jnp.float32, 64, 9, 3, 16), (jnp.bfloat16, 64, 9, 3, 16),
-    (jnp.bfloat16, 128, 16, 8, 32), (jnp.float32, 128, 8, 2, 128)])
-def test_kernel_lowers_for_tpu(dtype, d, hq, hkv, page):
-    sizes = BlockSizes(32, max(128, page))
-    t, s, p, nb, ns = 256, 4, 16, 16, 64
+MODEL_HEADS = {"SmolLM2-135M": (9, 3, 64), "Qwen3-0.6B": (16, 8, 128), "Qwen2-0.5B": (14, 2, 64),
+               "Llama-3.2-1B": (32, 8, 64)}
+
+
+@pytest.mark.parametrize("model", MODEL_HEADS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page", [16, 128])
+def test_kernel_lowers_for_tpu(model, dtype, page):
+    hq, hkv, d = MODEL_HEADS[model]
+    sizes = default_block_sizes("TPU v6 lite", page)
+    bq, (t, s, p, nb, ns) = sizes.q_block, (1024, 4, 64, 16, 64)
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     pages = sds((2, hkv, 64, page, d), dtype)
     md = AttentionMetadata(sds((s + 1,), i32), sds((s,), i32), sds((s, p), i32), sds((s,), i32),
                            sds((t,), i32))
-    plan = AttentionPlan(*[sds((nb, 32), i32)] * 3, sds((nb,), i32), *[sds((ns,), i32)] * 3,
+    plan = AttentionPlan(*[sds((nb, bq), i32)] * 3, sds((nb,), i32), *[sds((ns,), i32)] * 3,
                          sds((t,), i32), sds((t,), i32))
 
     def fn(q, k, v, layer, md, plan):
