@@ -16,15 +16,18 @@ from absl import app, flags
 
 from runtime.engine import Engine, EngineConfig
 
-flags.DEFINE_string("model_path", None, "model to load; default: the embedded SmolLM2")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
-flags.DEFINE_integer("query_tokens", 120, "tokens in the shared query")
-flags.DEFINE_integer("item_tokens", 18, "tokens per item")
-flags.DEFINE_integer("num_items", 10, "items per request")
-flags.DEFINE_integer("num_labels", 2, "label token ids per request")
-flags.DEFINE_integer("repeats", 5, "timed calls per mode")
-flags.DEFINE_string("out", None, "write the results as JSON here")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model_path", None, "model to load; default: the embedded SmolLM2")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
+    flags.DEFINE_integer("query_tokens", 120, "tokens in the shared query")
+    flags.DEFINE_integer("item_tokens", 18, "tokens per item")
+    flags.DEFINE_integer("num_items", 10, "items per request")
+    flags.DEFINE_integer("num_labels", 2, "label token ids per request")
+    flags.DEFINE_integer("repeats", 5, "timed calls per mode")
+    flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -71,4 +74,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -9,17 +9,20 @@ from absl import app, flags, logging
 from runtime.engine import Engine, EngineConfig
 from server.app import ScoreServer, ServerConfig
 
-flags.DEFINE_string("model_path", None, "HF checkpoint directory or .gguf file; "
-                    "default: the embedded SmolLM2-135M-Instruct")
-flags.DEFINE_string("host", "127.0.0.1", "address to bind")
-flags.DEFINE_integer("port", 30000, "port to bind")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
-flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-flags.DEFINE_integer("max_batch_tokens", 8192, "new tokens in one forward pass")
-flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
-flags.DEFINE_enum("attention_backend", "auto", ["auto", "pallas", "reference", "interpret"],
-                  "auto: the Pallas kernel on TPU, the plain-JAX reference elsewhere")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model_path", None, "HF checkpoint directory or .gguf file; "
+                        "default: the embedded SmolLM2-135M-Instruct")
+    flags.DEFINE_string("host", "127.0.0.1", "address to bind")
+    flags.DEFINE_integer("port", 30000, "port to bind")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
+    flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+    flags.DEFINE_integer("max_batch_tokens", 8192, "new tokens in one forward pass")
+    flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
+    flags.DEFINE_enum("attention_backend", "auto", ["auto", "pallas", "reference", "interpret"],
+                      "auto: the Pallas kernel on TPU, the plain-JAX reference elsewhere")
 
 
 async def serve() -> None:
@@ -56,4 +59,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main, flags_parser=parse_flags)

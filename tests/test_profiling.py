@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from profiling.bench_engine import run
 
 
@@ -20,3 +22,15 @@ def test_bench_engine_cli_writes_json(model_dirs, tmp_path):
                     "--num_items", "3", "--repeats", "1", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     assert json.loads(out.read_text())["shape"]["num_items"] == 3
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_bench_attention_reports_work_and_time(backend):
+    from profiling.bench_attention import Heads, run
+    result = run(["mis_120q_10x18", "mis_120q_64x18"], backend, repeats=1,
+                 heads=Heads(q=2, kv=1, dim=64, page=16), q_block=64, kv_block=64)
+    small, large = result["shapes"]["mis_120q_10x18"], result["shapes"]["mis_120q_64x18"]
+    assert large["kv_blocks_visited"] < large["kv_blocks_dense_causal"]
+    assert small["flops"] == 4 * small["kv_blocks_visited"] * 2 * 64 * 64 * 64
+    for row in (small, large):
+        assert row["measured_s"] > 0 and row["v6e_roofline_s"] > 0
