@@ -4,13 +4,14 @@ params (see model.params) + config + ForwardBatch + KV cache -> label logits of 
 The layers' weights are stacked and scanned, so compile time does not grow with depth.
 """
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import BlockSizes
+from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference
 from kernels.ragged_paged_attention import (ragged_paged_attention_reference,
                                             write_kv_pages)
@@ -19,6 +20,11 @@ from kernels.rms_norm import rms_norm
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
 from model.params import head_weight
+
+
+class AttentionKernels(NamedTuple):
+    write: Callable   # (k_pages, v_pages, layer, k_new, v_new, slots) -> (k_pages, v_pages)
+    attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -58,24 +64,24 @@ def _mlp(lp: dict, h):
     return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"])
 
 
-def _layer(cfg: ModelConfig, attention: Callable, batch: ForwardBatch, cos, sin,
+def _layer(cfg: ModelConfig, kernels: AttentionKernels, batch: ForwardBatch, cos, sin,
            carry, xs):
     x, cache = carry
     lp, layer = xs
     q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
-    k_pages, v_pages = write_kv_pages(cache.k, cache.v, layer, k, v, batch.kv_slots)
-    attn = attention(q, k_pages, v_pages, layer, batch.attention)
+    k_pages, v_pages = kernels.write(cache.k, cache.v, layer, k, v, batch.kv_slots)
+    attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)
     x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"))
     x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     return (x, KVCache(k_pages, v_pages)), None
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
-                  attention: Callable):
+                  kernels: AttentionKernels):
     """Final hidden states [T, H] (before the final norm) and the updated cache."""
     x = params["embed"][batch.tokens]
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
-    body = functools.partial(_layer, cfg, attention, batch, cos, sin)
+    body = functools.partial(_layer, cfg, kernels, batch, cos, sin)
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
     return x, cache
@@ -85,24 +91,27 @@ ATTENTION_BACKENDS = ("reference", "pallas", "interpret")
 
 
 def attention_impl(cfg: ModelConfig, max_q_len: int, backend: str,
-                   sizes: BlockSizes | None) -> Callable:
-    """reference: plain JAX (any platform); pallas: the TPU kernel; interpret: the same
-    kernel in the TPU interpreter (CPU tests). The kernels need batch.attention.plan."""
+                   sizes: BlockSizes | None) -> AttentionKernels:
+    """reference: plain JAX (any platform); pallas: the TPU kernels; interpret: the same
+    kernels in the TPU interpreter (CPU tests). The attention kernel needs metadata.plan."""
     kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
     if backend == "reference":
-        return functools.partial(ragged_paged_attention_reference, **kw)
+        return AttentionKernels(write_kv_pages,
+                                functools.partial(ragged_paged_attention_reference, **kw))
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     interpret = pltpu.InterpretParams() if backend == "interpret" else False
-    return functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw)
+    return AttentionKernels(
+        functools.partial(write_kv_pages_kernel, interpret=interpret),
+        functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw))
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
                   max_q_len: int, with_logsumexp: bool, backend: str = "reference",
                   sizes: BlockSizes | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
-    attention = attention_impl(cfg, max_q_len, backend, sizes)
-    x, cache = hidden_states(params, cfg, cache, batch, attention)
+    kernels = attention_impl(cfg, max_q_len, backend, sizes)
+    x, cache = hidden_states(params, cfg, cache, batch, kernels)
     label_logits, lse = final_norm_label_gather_reference(
         x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
         eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)

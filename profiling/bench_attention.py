@@ -74,7 +74,7 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     from model.decoder import attention_impl
     cfg = ModelConfig("qwen3", 1, heads.q * heads.dim, 1, 1, heads.q, heads.kv, heads.dim,
                       1e6, 1e-6, 1 << 20)
-    attend = attention_impl(cfg, max_q_len, backend, sizes)
+    attend = attention_impl(cfg, max_q_len, backend, sizes).attend
     rng = np.random.default_rng(0)
     t = batch.tokens.shape[0]
     q = jnp.asarray(rng.standard_normal((t, heads.q, heads.dim)), jnp.bfloat16)
