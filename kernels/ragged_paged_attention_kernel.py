@@ -103,11 +103,15 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
             o_ref[0] = (acc_ref[...] / l_ref[...][:, :, :1]).astype(o_ref.dtype)
 
 
-def _cost(plan_steps: int, rows: int, hkv: int, d: int, kv_block: int, itemsize: int):
-    flops = 4 * plan_steps * hkv * rows * kv_block * d
-    kv_bytes = 2 * plan_steps * hkv * kv_block * d * itemsize
-    return pl.CostEstimate(flops=flops, transcendentals=plan_steps * hkv * rows * kv_block,
-                           bytes_accessed=kv_bytes)
+def _cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
+          itemsize: int) -> pl.CostEstimate:
+    """Work of the planned grid: skipped KV blocks cost nothing. The plan is runtime data, so
+    `steps` is its bucket (at most twice the visited blocks; padding steps do no work)."""
+    kv_bytes = 2 * steps * hkv * kv_block * d * itemsize
+    q_out_bytes = 2 * q_blocks * hkv * rows * d * itemsize
+    return pl.CostEstimate(flops=4 * steps * hkv * rows * kv_block * d,
+                           transcendentals=steps * hkv * rows * kv_block,
+                           bytes_accessed=kv_bytes + q_out_bytes)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
@@ -154,7 +158,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",
         out_shape=jax.ShapeDtypeStruct((n_blocks, hkv, rows, d), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        cost_estimate=_cost(plan.step_block.shape[0], rows, hkv, d, sizes.kv_block,
+        cost_estimate=_cost(plan.step_block.shape[0], n_blocks, rows, hkv, d, sizes.kv_block,
                             k_pages.dtype.itemsize),
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_kv,
