@@ -132,6 +132,7 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
     kw = dict(eps=eps, logit_scale=logit_scale, softcap=softcap)
     if not with_logsumexp:
         return _label_rows(hidden, norm_weight, head, labels, row_block, interpret, **kw)[:r], None
+    vocab_tile = min(vocab_tile, head.shape[0])  # classifier heads have a handful of rows
     logits, lse = _streamed(hidden, norm_weight, head, labels, row_block, vocab_tile, interpret,
                             **kw)
     return logits[:r], lse[:r, 0]

@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.attention_plan import BlockSizes
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference
+from kernels.label_gather_kernel import final_norm_label_gather
 from kernels.ragged_paged_attention import (ragged_paged_attention_reference,
                                             write_kv_pages)
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
@@ -22,9 +23,10 @@ from model.config import ModelConfig
 from model.params import head_weight
 
 
-class AttentionKernels(NamedTuple):
+class Kernels(NamedTuple):
     write: Callable   # (k_pages, v_pages, layer, k_new, v_new, slots) -> (k_pages, v_pages)
     attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
+    gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp) -> (logits, lse)
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -64,7 +66,7 @@ def _mlp(lp: dict, h):
     return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"])
 
 
-def _layer(cfg: ModelConfig, kernels: AttentionKernels, batch: ForwardBatch, cos, sin,
+def _layer(cfg: ModelConfig, kernels: Kernels, batch: ForwardBatch, cos, sin,
            carry, xs):
     x, cache = carry
     lp, layer = xs
@@ -77,7 +79,7 @@ def _layer(cfg: ModelConfig, kernels: AttentionKernels, batch: ForwardBatch, cos
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
-                  kernels: AttentionKernels):
+                  kernels: Kernels):
     """Final hidden states [T, H] (before the final norm) and the updated cache."""
     x = params["embed"][batch.tokens]
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
@@ -90,29 +92,30 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
 ATTENTION_BACKENDS = ("reference", "pallas", "interpret")
 
 
-def attention_impl(cfg: ModelConfig, max_q_len: int, backend: str,
-                   sizes: BlockSizes | None) -> AttentionKernels:
+def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str,
+                sizes: BlockSizes | None) -> Kernels:
     """reference: plain JAX (any platform); pallas: the TPU kernels; interpret: the same
     kernels in the TPU interpreter (CPU tests). The attention kernel needs metadata.plan."""
     kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
     if backend == "reference":
-        return AttentionKernels(write_kv_pages,
-                                functools.partial(ragged_paged_attention_reference, **kw))
+        return Kernels(write_kv_pages, functools.partial(ragged_paged_attention_reference, **kw),
+                       final_norm_label_gather_reference)
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     interpret = pltpu.InterpretParams() if backend == "interpret" else False
-    return AttentionKernels(
+    return Kernels(
         functools.partial(write_kv_pages_kernel, interpret=interpret),
-        functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw))
+        functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw),
+        functools.partial(final_norm_label_gather, interpret=interpret))
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
                   max_q_len: int, with_logsumexp: bool, backend: str = "reference",
                   sizes: BlockSizes | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
-    kernels = attention_impl(cfg, max_q_len, backend, sizes)
+    kernels = kernel_impl(cfg, max_q_len, backend, sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels)
-    label_logits, lse = final_norm_label_gather_reference(
+    label_logits, lse = kernels.gather(
         x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
         eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
     return label_logits, lse, cache

@@ -71,10 +71,10 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int) ->
 
 def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int):
     from model.config import ModelConfig
-    from model.decoder import attention_impl
+    from model.decoder import kernel_impl
     cfg = ModelConfig("qwen3", 1, heads.q * heads.dim, 1, 1, heads.q, heads.kv, heads.dim,
                       1e6, 1e-6, 1 << 20)
-    attend = attention_impl(cfg, max_q_len, backend, sizes).attend
+    attend = kernel_impl(cfg, max_q_len, backend, sizes).attend
     rng = np.random.default_rng(0)
     t = batch.tokens.shape[0]
     q = jnp.asarray(rng.standard_normal((t, heads.q, heads.dim)), jnp.bfloat16)

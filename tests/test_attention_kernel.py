@@ -153,16 +153,3 @@ def test_kernel_lowers_for_tpu(model, dtype, page):
             sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
     assert "tpu_custom_call" in exported.mlir_module()
 
-
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_model_in_interpret_mode_equals_reference_path(model_dirs, engines, family):
-    from runtime.engine import Engine, EngineConfig
-    from tests.assertions import assert_scores_close
-    interp = Engine.from_path(model_dirs[family], EngineConfig(
-        page_size=8, max_batch_tokens=256, max_seqs=8, attention_backend="interpret",
-        q_block=8, kv_block=16))
-    assert interp.backend == "interpret" and engines[family].backend == "reference"
-    args = ("Answer Yes or No:", ["", " Paris", " the flag of Tokyo"], [3, 4])
-    for item_first in (False, True):
-        assert_scores_close(interp.score(*args, item_first=item_first).scores,
-                            engines[family].score(*args, item_first=item_first).scores)
