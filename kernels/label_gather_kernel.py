@@ -64,8 +64,10 @@ def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_re
     p = jnp.where(valid, jnp.exp(logits - m_next[:, :1]), 0.0)
     s_ref[...] = s_ref[...] * jnp.exp(m_prev - m_next) + jnp.sum(p, axis=1, keepdims=True)
     m_ref[...] = m_next
-    hit = col[:, None, :] == labels_ref[...][:, :, None]  # [rows, K, tile]
-    acc_ref[...] += jnp.sum(jnp.where(hit, logits[:, None, :], 0.0), axis=2)
+    labels = labels_ref[...]
+    for k in range(labels.shape[1]):  # one label at a time: memory stays [rows, tile]
+        hit = col == labels[:, k:k + 1]
+        acc_ref[:, k:k + 1] += jnp.sum(jnp.where(hit, logits, 0.0), axis=1, keepdims=True)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
@@ -121,11 +123,14 @@ def _streamed(hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw
 
 def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
                             with_logsumexp: bool, logit_scale: float = 1.0,
-                            softcap: float | None = None, row_block: int = 8,
-                            vocab_tile: int = 2048, interpret=False):
-    """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32."""
+                            softcap: float | None = None, vocab_tile: int = 2048,
+                            max_stream_rows: int = 256, interpret=False):
+    """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
+
+    The streamed mode reads the head once per block of up to `max_stream_rows` rows."""
     check_shapes(hidden, norm_weight, head, label_ids)
     r = hidden.shape[0]
+    row_block = min(-(-r // 8) * 8, max_stream_rows) if with_logsumexp else 8
     pad = -r % row_block
     hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
     labels = jnp.pad(label_ids.astype(jnp.int32), ((0, pad), (0, 0)))

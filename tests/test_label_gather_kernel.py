@@ -88,3 +88,13 @@ def test_kernel_path_holds_no_rows_by_vocab_buffer(with_lse):
         lambda *a: final_norm_label_gather_reference(*a, eps=1e-6, with_logsumexp=True),
         *shapes(**QWEN3))
     assert full in reference
+
+
+def test_streamed_mode_over_several_row_blocks():
+    args = inputs(np.random.default_rng(6), 20, 3, 5000, jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=True)
+    want = final_norm_label_gather_reference(*args, **kw)
+    got = final_norm_label_gather(*args, **kw, vocab_tile=1024, max_stream_rows=8,
+                                  interpret=pltpu.InterpretParams())
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
