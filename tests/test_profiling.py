@@ -34,3 +34,13 @@ def test_bench_attention_reports_work_and_time(backend):
     assert small["flops"] == 4 * small["kv_blocks_visited"] * 2 * 64 * 64 * 64
     for row in (small, large):
         assert row["measured_s"] > 0 and row["v6e_roofline_s"] > 0
+
+
+def test_bench_label_gather_reports_bytes_roofline_and_time():
+    from profiling.bench_label_gather import run
+    result = run([1, 16], vocab=3000, hidden=64, labels=2, repeats=1)
+    for rows, row in result["rows"].items():
+        b = row["hbm_bytes"]
+        assert b["labels_only"] < b["streamed_logsumexp"] < b["full_logits_baseline"]
+        assert b["full_logits_baseline"] - b["streamed_logsumexp"] >= 2 * rows * 3000 * 4 - 4 * rows * 3
+        assert all(t > 0 for t in row["measured_s"].values())
