@@ -44,3 +44,16 @@ def test_bench_label_gather_reports_bytes_roofline_and_time():
         assert b["labels_only"] < b["streamed_logsumexp"] < b["full_logits_baseline"]
         assert b["full_logits_baseline"] - b["streamed_logsumexp"] >= 2 * rows * 3000 * 4 - 4 * rows * 3
         assert all(t > 0 for t in row["measured_s"].values())
+
+
+def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from profiling.trace_timing import op_time
+    fn = jax.jit(lambda x: jnp.sin(x @ x).sum())
+    x = jnp.ones((256, 256))
+    seconds = op_time(fn, (x,), "sine", repeats=2, trace_dir=str(tmp_path))
+    assert seconds is not None and 0 < seconds < 10
+    assert list(tmp_path.rglob("*.xplane.pb"))  # a trace TensorBoard can open
+    assert op_time(fn, (x,), "no_such_kernel", repeats=1) is None
