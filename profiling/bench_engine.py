@@ -5,15 +5,13 @@ python -m profiling.bench_engine [--model-path P] [--query-tokens 120 --item-tok
 Timing: wall clock after the scores reach the host (the engine returns Python floats),
 after one warm-up call per mode that compiles its shapes.
 """
-import json
 import platform
-import statistics
-import time
 
 import jax
 import numpy as np
 from absl import app, flags
 
+from profiling.timing import wall_time, write_json
 from runtime.engine import Engine, EngineConfig
 
 FLAGS = flags.FLAGS
@@ -30,16 +28,6 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def _timed(fn, repeats: int) -> list[float]:
-    fn()  # warm-up: compiles this mode's shapes
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def run(engine: Engine, query_tokens: int, item_tokens: int, num_items: int, num_labels: int,
         repeats: int) -> dict:
     rng = np.random.default_rng(0)
@@ -53,7 +41,7 @@ def run(engine: Engine, query_tokens: int, item_tokens: int, num_items: int, num
     }
     rows = {}
     for name, fn in modes.items():
-        median = statistics.median(_timed(fn, repeats))
+        median = wall_time(fn, repeats=repeats)
         rows[name] = {"latency_s": median, "items_per_s": num_items / median}
     return {"shape": dict(query_tokens=query_tokens, item_tokens=item_tokens,
                           num_items=num_items, num_labels=num_labels),
@@ -67,10 +55,9 @@ def main(argv) -> None:
     result = run(engine, FLAGS.query_tokens, FLAGS.item_tokens, FLAGS.num_items,
                  FLAGS.num_labels, FLAGS.repeats)
     for name, row in result["modes"].items():
-        print(f"{name:16s} {row['latency_s'] * 1e3:9.1f} ms/request {row['items_per_s']:9.1f} items/s")
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=2)
+        print(f"{name:16s} {row['latency_s'] * 1e3:9.1f} ms/request "
+              f"{row['items_per_s']:9.1f} items/s")
+    write_json(result, FLAGS.out)
 
 
 if __name__ == "__main__":

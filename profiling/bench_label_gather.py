@@ -6,16 +6,13 @@ Baseline: what a server that builds logits does: read the head, write [R, V] flo
 logits, read them back for the log-softmax and the gather.
 Timing: wall clock after block_until_ready, median of repeats, after a warm-up.
 """
-import json
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from kernels.label_gather import final_norm_label_gather_reference
+from profiling.timing import wall_time, write_json
 
 V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
 FLAGS = flags.FLAGS
@@ -48,16 +45,6 @@ def roofline(rows: int, vocab: int, hidden: int, labels: int, n_bytes: dict) -> 
     return {mode: max(flops[mode] / V6E_FLOPS, n_bytes[mode] / V6E_HBM) for mode in n_bytes}
 
 
-def _median_time(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def full_logits_baseline(hidden, norm, head, labels, eps):
     x = hidden * jax.lax.rsqrt(jnp.mean(hidden.astype(jnp.float32) ** 2, -1, keepdims=True) + eps)
     logits = jnp.dot((x * norm).astype(head.dtype), head.T, preferred_element_type=jnp.float32)
@@ -77,7 +64,7 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int) -> di
             *a, eps=1e-6, with_logsumexp=True),
         "full_logits_baseline": lambda *a: full_logits_baseline(*a, eps=1e-6),
     }
-    return {mode: _median_time(jax.jit(fn), args, repeats) for mode, fn in paths.items()}
+    return {mode: wall_time(jax.jit(fn), args, repeats) for mode, fn in paths.items()}
 
 
 def run(rows_list: list[int], vocab: int, hidden: int, labels: int, repeats: int) -> dict:
@@ -103,9 +90,7 @@ def main(argv) -> None:
             print(f"R={rows:4d} {mode:22s} {r['hbm_bytes'][mode] / 1e6:10.3f} MB "
                   f"{r['v6e_roofline_s'][mode] * 1e6:9.2f} us(v6e) "
                   f"{r['measured_s'][mode] * 1e3:9.2f} ms(measured)")
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Scoring engine (SPEC §3-§4): tokenize, pack, run prefill-only forwards, turn logits into scores."""
+"""Scoring engine (SPEC §3-§4): tokenize, pack, prefill-only forwards, logits to scores."""
 import dataclasses
 import threading
 

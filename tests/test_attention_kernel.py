@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from kernels.attention_plan import (AttentionPlan, BlockSizes, build_plan, default_block_sizes,
                                     visited_kv_blocks)
@@ -13,6 +12,7 @@ from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_atte
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from runtime.buckets import bucket
 from tests.attention_cases import random_batch
+from tests.tpu_lowering import tpu_export
 
 
 def plan_for(md, sizes, pad=bucket):
@@ -146,10 +146,6 @@ def test_kernel_lowers_for_tpu(model, dtype, page):
         return ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sm_scale=0.1,
                                       max_q_len=t, sizes=sizes)
 
-    dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
-    with use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
-            sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
-    assert "tpu_custom_call" in exported.mlir_module()
+    mlir = tpu_export(fn, sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
+    assert "tpu_custom_call" in mlir
 

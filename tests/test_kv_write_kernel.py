@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.ragged_paged_attention import write_kv_pages
+from tests.tpu_lowering import tpu_export
 
 SHAPE = (2, 2, 6, 8, 64)  # layers, Hkv, pages, page size, head dim
 
@@ -46,8 +46,5 @@ def test_kernel_lowers_for_tpu(dtype, hkv, d, page):
     def fn(k, v, layer, k_new, v_new, slots):
         return write_kv_pages_kernel(k, v, layer, k_new, v_new, slots)
 
-    dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)):
-        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
-            pages, pages, sds((), jnp.int32), new, new, sds((256,), jnp.int32))
-    assert "tpu_custom_call" in exported.mlir_module()
+    mlir = tpu_export(fn, pages, pages, sds((), jnp.int32), new, new, sds((256,), jnp.int32))
+    assert "tpu_custom_call" in mlir

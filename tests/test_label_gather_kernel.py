@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from kernels.label_gather import final_norm_label_gather_reference
 from kernels.label_gather_kernel import final_norm_label_gather
+from tests.tpu_lowering import tpu_export
 
 CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)
     (1, 1, 49152, True, jnp.float32), (7, 16, 151936, True, jnp.float32),
@@ -53,12 +53,6 @@ def test_softcap_matches_reference():
     got = final_norm_label_gather(*args, **kw, vocab_tile=1024, interpret=pltpu.InterpretParams())
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
-
-
-def tpu_export(fn, *args):
-    dev = AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)):
-        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
 
 
 QWEN3 = dict(rows=64, vocab=151936, width=1024)

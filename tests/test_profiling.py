@@ -50,7 +50,7 @@ def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from profiling.trace_timing import op_time
+    from profiling.timing import op_time
     fn = jax.jit(lambda x: jnp.sin(x @ x).sum())
     x = jnp.ones((256, 256))
     seconds = op_time(fn, (x,), "sine", repeats=2, trace_dir=str(tmp_path))

@@ -1,11 +1,30 @@
-"""Device time of named ops, read from a jax.profiler trace (the perfetto JSON it writes)."""
+"""How the studies time things: wall clock, or device time of named ops in a profiler trace."""
 import glob
 import gzip
 import json
 import os
+import statistics
 import tempfile
+import time
 
 import jax
+
+
+def wall_time(fn, args=(), repeats: int = 3) -> float:
+    """Median seconds per call after block_until_ready, after one warm-up call (compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def write_json(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def _trace_events(trace_dir: str) -> list[dict]:
