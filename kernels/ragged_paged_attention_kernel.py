@@ -100,7 +100,8 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
 
         @pl.when((flags & LAST) != 0)
         def _():
-            o_ref[0] = (acc_ref[...] / l_ref[...][:, :, :1]).astype(o_ref.dtype)
+            denom = l_ref[...][:, :, :1]  # 0 only for padding rows, which see nothing
+            o_ref[0] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
 
 
 def _cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
