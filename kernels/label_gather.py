@@ -22,7 +22,7 @@ def check_shapes(hidden, norm_weight, head, label_ids) -> None:
         raise ValueError(f"label_ids {label_ids.shape} and hidden {hidden.shape} disagree on R")
 
 
-def _finish(logits, logit_scale, softcap):
+def scale_and_cap(logits, logit_scale, softcap):
     logits = logits * logit_scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
@@ -38,9 +38,9 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
     if not with_logsumexp and n_labels * width <= vocab:
         rows = head[label_ids]  # [R, K, H]: only the label rows of the head
         label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
-        return _finish(label_logits, logit_scale, softcap), None
+        return scale_and_cap(label_logits, logit_scale, softcap), None
     # The logsumexp needs every logit; so do label sets larger than the head itself.
-    logits = _finish(jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32),
+    logits = scale_and_cap(jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32),
                      logit_scale, softcap)
     label_logits = jnp.take_along_axis(logits, label_ids, axis=1)
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None

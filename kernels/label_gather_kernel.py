@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.label_gather import _finish, check_shapes
+from kernels.label_gather import scale_and_cap, check_shapes
 from kernels.rms_norm import rms_norm
 
 _LANES = 128
@@ -38,7 +38,7 @@ def _label_rows_kernel(labels_ref, hidden_ref, norm_ref, head_hbm, out_ref, rows
         rows = rows_buf[r * n_labels:(r + 1) * n_labels, :]
         logits = jax.lax.dot_general(x[r:r + 1], rows, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)
-        out_ref[r:r + 1, :] = _finish(logits, logit_scale, softcap)
+        out_ref[r:r + 1, :] = scale_and_cap(logits, logit_scale, softcap)
 
 
 def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
@@ -55,7 +55,7 @@ def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_re
 
     logits = jax.lax.dot_general(x_ref[...], head_ref[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-    logits = _finish(logits, logit_scale, softcap)
+    logits = scale_and_cap(logits, logit_scale, softcap)
     col = j * tile + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     valid = col < vocab
     m_prev = m_ref[...]
