@@ -18,7 +18,7 @@ from absl import app, flags
 from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.decoder import kernel_impl
+from model.decoder import ATTENTION_BACKENDS, kernel_impl
 from profiling.timing import op_time, wall_time, write_json
 from runtime.batch_builder import build_batch, pages_needed
 from runtime.packing import causal_sequence, multi_item_sequence
@@ -31,7 +31,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("backend", "auto", ["auto", "reference", "pallas", "interpret"],
+    flags.DEFINE_enum("backend", "auto", ["auto", *ATTENTION_BACKENDS],
                       "attention implementation (auto: pallas on TPU, reference elsewhere)")
     flags.DEFINE_list("shapes", list(SHAPES), "shapes to run")
     flags.DEFINE_integer("repeats", 3, "timed calls per shape")

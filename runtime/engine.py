@@ -73,8 +73,7 @@ class Engine:
                  engine_cfg: EngineConfig = EngineConfig()):
         self.cfg, self.params, self.tokenizer, self.engine_cfg = cfg, params, tokenizer, engine_cfg
         self.pages = PageAllocator(engine_cfg.num_pages)
-        self._cache = empty_cache(cfg, engine_cfg.num_pages, engine_cfg.page_size,
-                                  DTYPES[engine_cfg.dtype])
+        self._cache = self._new_cache()
         self.backend, self.block_sizes = engine_cfg.backend(), engine_cfg.block_sizes()
         self._step = jax.jit(score_forward, donate_argnames=("cache",), static_argnames=(
             "cfg", "max_q_len", "with_logsumexp", "backend", "sizes"))
@@ -184,11 +183,14 @@ class Engine:
                     self.pages.release(pages)
         return logits, lse
 
+    def _new_cache(self):
+        ec = self.engine_cfg
+        return empty_cache(self.cfg, ec.num_pages, ec.page_size, DTYPES[ec.dtype])
+
     def _restore_cache(self) -> None:
         """A step that failed after taking the donated cache leaves it deleted: start a new one."""
         if self._cache.k.is_deleted() or self._cache.v.is_deleted():
-            self._cache = empty_cache(self.cfg, self.engine_cfg.num_pages,
-                                      self.engine_cfg.page_size, DTYPES[self.engine_cfg.dtype])
+            self._cache = self._new_cache()
 
     def _scores(self, logits: np.ndarray, lse: np.ndarray, apply_softmax: bool) -> np.ndarray:
         if apply_softmax:

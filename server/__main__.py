@@ -6,6 +6,7 @@ import asyncio
 
 from absl import app, flags, logging
 
+from model.decoder import ATTENTION_BACKENDS
 from runtime.engine import Engine, EngineConfig
 from server.app import ScoreServer, ServerConfig
 
@@ -21,7 +22,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
     flags.DEFINE_integer("max_batch_tokens", 8192, "new tokens in one forward pass")
     flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
-    flags.DEFINE_enum("attention_backend", "auto", ["auto", "pallas", "reference", "interpret"],
+    flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
                       "auto: the Pallas kernel on TPU, the plain-JAX reference elsewhere")
 
 
