@@ -4,10 +4,11 @@ Queries are cut into blocks of `q_block` tokens that never straddle sequences. F
 q block the plan lists the KV blocks some row of it can see (SPEC §4): the prefix blocks
 [0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items the q block
 overlaps. Other blocks are absent: the kernel neither copies nor multiplies them.
-The (q block, KV block) pairs are flattened into the kernel's 1-D grid of steps.
+The (q block, KV block) pairs are flattened into the kernel's 1-D grid of steps; the arrays
+are padded to fixed sizes (jit shapes) and `num_steps` says how many steps are real.
 """
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,7 +28,8 @@ class BlockSizes:
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads.
 _DEFAULT_BLOCKS = {"TPU v6 lite": (128, 512), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
-                   "TPU v4": (128, 256)}
+                   "TPU v4": (128, 256),
+                   "xla": (64, 128)}  # the planned XLA loop (CPU, GPU): fewer, larger steps
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
 
 
@@ -46,6 +48,14 @@ class AttentionPlan(NamedTuple):
     step_flags: np.ndarray    # [NS] FIRST | LAST of its q block, NOOP for padding steps
     token_block: np.ndarray   # [T] q block of each packed token
     token_row: np.ndarray     # [T] row of each packed token in its q block
+    num_steps: np.ndarray     # [] int32, the real steps (a dynamic grid / loop bound)
+
+
+def max_plan_size(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes) -> tuple[int, int]:
+    """Upper bounds on (q blocks, steps) of any batch within these limits: every sequence
+    may add one partial q block, and a q block visits at most all KV blocks of its sequence."""
+    blocks = -(-n_tokens // sizes.q_block) + n_seqs
+    return blocks, blocks * -(-kv_len // sizes.kv_block)
 
 
 def visited_kv_blocks(plan: AttentionPlan) -> int:
@@ -71,8 +81,8 @@ def _pad(rows: list, size: int, fill, row_shape=()) -> np.ndarray:
 
 
 def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
-               pad: Callable[[int], int] = lambda n: n) -> AttentionPlan:
-    """`pad(n)` gives the padded count of q blocks and of steps (jit shape buckets)."""
+               max_blocks: int | None = None, max_steps: int | None = None) -> AttentionPlan:
+    """Pads q blocks and steps to `max_blocks` and `max_steps` (None: no padding)."""
     cu, kv_lens = np.asarray(cu_q_lens), np.asarray(kv_lens)
     visible_from, bq = np.asarray(visible_from), sizes.q_block
     n_tokens = len(visible_from)
@@ -92,7 +102,9 @@ def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
             pos.append(np.pad(p, (0, bq - len(t)), constant_values=-1))
             vis.append(np.pad(visible_from[t], (0, bq - len(t))))
             seqs.append(s)
-    n_blocks, n_steps = pad(max(len(seqs), 1)), pad(max(len(steps), 1))
+    n_real = len(steps)
+    n_blocks = _padded_size(len(seqs), max_blocks, "q blocks")
+    n_steps = _padded_size(n_real, max_steps, "steps")
     last = steps[-1] if steps else (0, 0, 0)
     steps += [(last[0], last[1], NOOP)] * (n_steps - len(steps))
     step_block, step_kv, step_flags = (np.array(c, np.int32) for c in zip(*steps))
@@ -100,4 +112,12 @@ def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
         block_tokens=_pad(tokens, n_blocks, 0, (bq,)), row_pos=_pad(pos, n_blocks, -1, (bq,)),
         row_vis=_pad(vis, n_blocks, 0, (bq,)), block_seq=_pad(seqs, n_blocks, 0),
         step_block=step_block, step_kv=step_kv, step_flags=step_flags,
-        token_block=token_block, token_row=token_row)
+        token_block=token_block, token_row=token_row, num_steps=np.int32(max(n_real, 1)))
+
+
+def _padded_size(n: int, limit: int | None, what: str) -> int:
+    if limit is None:
+        return max(n, 1)
+    if n > limit:
+        raise ValueError(f"the plan has {n} {what}, more than the {limit} it is padded to")
+    return limit

@@ -44,3 +44,30 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
                      logit_scale, softcap)
     label_logits = jnp.take_along_axis(logits, label_ids, axis=1)
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None
+
+
+def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
+                                with_logsumexp: bool, num_rows, row_block: int = 16,
+                                logit_scale: float = 1.0, softcap: float | None = None):
+    """The reference on the first `num_rows` rows (runtime data), `row_block` rows at a time,
+    so that padded rows cost nothing: with a logsumexp every row reads the whole head.
+    Rows from `num_rows` on are zero."""
+    check_shapes(hidden, norm_weight, head, label_ids)
+    kw = dict(eps=eps, with_logsumexp=with_logsumexp, logit_scale=logit_scale, softcap=softcap)
+    r, k = label_ids.shape
+    pad = -r % row_block
+    hidden, label_ids = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(label_ids, ((0, pad), (0, 0)))
+
+    def block(i, out):
+        rows = (i * row_block, 0)
+        logits, lse = final_norm_label_gather_reference(
+            jax.lax.dynamic_slice(hidden, rows, (row_block, hidden.shape[1])), norm_weight, head,
+            jax.lax.dynamic_slice(label_ids, rows, (row_block, k)), **kw)
+        lse = jnp.zeros(row_block, jnp.float32) if lse is None else lse
+        return (jax.lax.dynamic_update_slice(out[0], logits, rows),
+                jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
+
+    n_blocks = (jnp.asarray(num_rows, jnp.int32) + row_block - 1) // row_block
+    out = (jnp.zeros((r + pad, k), jnp.float32), jnp.zeros(r + pad, jnp.float32))
+    logits, lse = jax.lax.fori_loop(0, n_blocks, block, out)
+    return logits[:r], lse[:r] if with_logsumexp else None

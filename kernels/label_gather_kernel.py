@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.label_gather import scale_and_cap, check_shapes
+from kernels.label_gather import check_shapes, scale_and_cap
 from kernels.rms_norm import rms_norm
 
 _LANES = 128

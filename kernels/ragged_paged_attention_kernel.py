@@ -107,7 +107,7 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
 def _cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
           itemsize: int) -> pl.CostEstimate:
     """Work of the planned grid: skipped KV blocks cost nothing. The plan is runtime data, so
-    `steps` is its bucket (at most twice the visited blocks; padding steps do no work)."""
+    `steps` is the size it is padded to, an upper bound; the grid runs only the real steps."""
     kv_bytes = 2 * steps * hkv * kv_block * d * itemsize
     q_out_bytes = 2 * q_blocks * hkv * rows * d * itemsize
     return pl.CostEstimate(flops=4 * steps * hkv * rows * kv_block * d,
@@ -142,7 +142,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                                pages_per_block=ppb, kv_block=sizes.kv_block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=8,
-        grid=(plan.step_block.shape[0],),
+        grid=(jnp.asarray(plan.num_steps, jnp.int32),),
         in_specs=[pl.BlockSpec((1, hkv, rows, d), block_map),
                   pl.BlockSpec((1, rows, 1), row_map),
                   pl.BlockSpec((1, rows, 1), row_map),

@@ -13,6 +13,7 @@ class ForwardBatch(NamedTuple):
     attention: AttentionMetadata
     score_rows: jax.Array    # [R] int32, indices into tokens of the rows to score
     label_ids: jax.Array     # [R, K] int32, head rows to read per scored row
+    num_rows: jax.Array      # [] int32, the real rows (the rest are padding)
 
 
 class KVCache(NamedTuple):

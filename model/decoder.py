@@ -12,11 +12,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import BlockSizes
 from kernels.kv_write_kernel import write_kv_pages_kernel
-from kernels.label_gather import final_norm_label_gather_reference
+from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
-from kernels.ragged_paged_attention import (ragged_paged_attention_reference,
-                                            write_kv_pages)
+from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from kernels.rms_norm import rms_norm
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
@@ -89,17 +89,23 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     return x, cache
 
 
-ATTENTION_BACKENDS = ("reference", "pallas", "interpret")
+ATTENTION_BACKENDS = ("reference", "xla", "pallas", "interpret")
 
 
-def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str,
-                sizes: BlockSizes | None) -> Kernels:
-    """reference: plain JAX (any platform); pallas: the TPU kernels; interpret: the same
-    kernels in the TPU interpreter (CPU tests). The attention kernel needs metadata.plan."""
+def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str, sizes: BlockSizes | None,
+                num_rows=None) -> Kernels:
+    """reference: dense plain JAX, the tests' oracle; xla: the planned XLA loops (CPU, GPU),
+    work following the real rows and visible KV blocks; pallas: the TPU kernels; interpret:
+    the same kernels in the TPU interpreter (CPU tests). All but reference need
+    metadata.plan; xla needs `num_rows`."""
     kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
     if backend == "reference":
         return Kernels(write_kv_pages, functools.partial(ragged_paged_attention_reference, **kw),
                        final_norm_label_gather_reference)
+    if backend == "xla":
+        return Kernels(write_kv_pages,
+                       functools.partial(ragged_paged_attention_xla, sizes=sizes, **kw),
+                       functools.partial(final_norm_label_gather_xla, num_rows=num_rows))
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     interpret = pltpu.InterpretParams() if backend == "interpret" else False
@@ -113,7 +119,7 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
                   max_q_len: int, with_logsumexp: bool, backend: str = "reference",
                   sizes: BlockSizes | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
-    kernels = kernel_impl(cfg, max_q_len, backend, sizes)
+    kernels = kernel_impl(cfg, max_q_len, backend, sizes, batch.num_rows)
     x, cache = hidden_states(params, cfg, cache, batch, kernels)
     label_logits, lse = kernels.gather(
         x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,

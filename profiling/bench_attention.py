@@ -20,7 +20,8 @@ from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS, kernel_impl
 from profiling.timing import op_time, wall_time, write_json
-from runtime.batch_builder import build_batch, pages_needed
+from runtime.batch_builder import ScheduledSeq, build_batch
+from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.packing import causal_sequence, multi_item_sequence
 
 V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
@@ -32,7 +33,7 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     flags.DEFINE_enum("backend", "auto", ["auto", *ATTENTION_BACKENDS],
-                      "attention implementation (auto: pallas on TPU, reference elsewhere)")
+                      "attention implementation (auto: pallas on TPU, xla elsewhere)")
     flags.DEFINE_list("shapes", list(SHAPES), "shapes to run")
     flags.DEFINE_integer("repeats", 3, "timed calls per shape")
     flags.DEFINE_integer("q_block", 0, "query tokens per block; 0: the TPU kind's table entry")
@@ -51,10 +52,12 @@ class Heads:
 def make_batch(prefix: int, items: list[int] | None, heads: Heads, sizes: BlockSizes):
     seq = (causal_sequence(list(range(prefix))) if items is None
            else multi_item_sequence([1] * prefix, [[2] * n for n in items]))
-    n_pages = pages_needed(len(seq.tokens), heads.page)
-    batch, max_q_len = build_batch([seq], [list(range(n_pages))], [[0]], heads.page,
-                                   n_pages * heads.page, sizes)
-    return batch, max_q_len, n_pages
+    n, rows = len(seq.tokens), len(seq.score_rows)
+    n_pages = pages_needed(n, heads.page)
+    shape = ShapeBuckets(n, 1, rows, 1, n, heads.page, sizes).shape(n, rows, 1)
+    batch = build_batch([ScheduledSeq(seq, list(range(n_pages)))], [[0]] * rows, shape,
+                        heads.page, n_pages * heads.page, sizes)
+    return batch, shape.tokens, n_pages
 
 
 def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int) -> dict:
@@ -89,7 +92,7 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
 def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
         q_block: int = 0, kv_block: int = 0) -> dict:
     if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "tpu" else "reference"
+        backend = "pallas" if jax.default_backend() == "tpu" else "xla"
     device = jax.devices()[0].device_kind
     table = default_block_sizes("TPU v6 lite" if backend != "pallas" else device, heads.page)
     sizes = BlockSizes(q_block or table.q_block, kv_block or table.kv_block)

@@ -1,4 +1,13 @@
-"""Padding of jitted shapes to a few sizes, so that varied requests reuse compiled code."""
+"""Padding of jitted shapes to a few sizes, so that varied requests reuse compiled code.
+
+Only the token count picks a bucket; every other dimension is a fixed function of it, and
+work inside the model follows the real counts (the attention plan's steps, the scored rows).
+"""
+import dataclasses
+
+from kernels.attention_plan import BlockSizes, max_plan_size
+
+MIN_TOKENS = 16
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -7,3 +16,50 @@ def bucket(n: int, minimum: int = 1) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    tokens: int         # new tokens
+    seqs: int
+    pages_per_seq: int
+    rows: int           # scored rows
+    labels: int         # label ids per row
+    q_blocks: int = 0   # attention plan sizes (0: no plan)
+    steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBuckets:
+    max_tokens: int     # new tokens in one forward
+    max_seqs: int
+    max_rows: int
+    max_labels: int
+    max_kv_len: int     # KV positions of one sequence (cached + new)
+    page_size: int
+    sizes: BlockSizes | None = None  # attention blocks, when the backend walks a plan
+
+    def token_sizes(self) -> tuple[int, ...]:
+        sizes = [MIN_TOKENS]
+        while sizes[-1] < self.max_tokens:
+            sizes.append(sizes[-1] * 2)
+        return tuple(sizes)
+
+    def shape(self, n_tokens: int, n_rows: int = 0, n_seqs: int = 0) -> BatchShape:
+        """The bucket of a batch; empty items make rows outnumber tokens, hence the max."""
+        if n_tokens > self.max_tokens or n_rows > self.max_rows or n_seqs > self.max_seqs:
+            raise ValueError(f"a batch of {n_tokens} tokens, {n_rows} rows and {n_seqs} "
+                             f"sequences exceeds the budgets {self}")
+        tokens = bucket(max(n_tokens, n_rows, n_seqs), MIN_TOKENS)
+        seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
+        pages = pages_needed(self.max_kv_len, self.page_size)
+        plan = (0, 0) if self.sizes is None else max_plan_size(
+            tokens, seqs, pages * self.page_size, self.sizes)
+        return BatchShape(tokens, seqs, pages, rows, self.max_labels, *plan)
+
+    def all_shapes(self) -> list[BatchShape]:
+        return [self.shape(min(t, self.max_tokens)) for t in self.token_sizes()]

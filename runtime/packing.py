@@ -44,3 +44,12 @@ def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: in
     if start < len(item_lens):
         chunks.append(range(start, len(item_lens)))
     return chunks
+
+
+def causal_prefix_len(seq: Sequence) -> int:
+    """Leading tokens whose K/V are those of a plain causal prompt (prefix-cacheable):
+    the query of a multi-item sequence (and its first item if the query is empty)."""
+    for i, (pos, vis) in enumerate(zip(seq.positions, seq.visible_from)):
+        if pos != i or vis != 0:
+            return i
+    return len(seq.tokens)

@@ -7,7 +7,8 @@ import asyncio
 from absl import app, flags, logging
 
 from model.decoder import ATTENTION_BACKENDS
-from runtime.engine import Engine, EngineConfig
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
 from server.app import ScoreServer, ServerConfig
 
 FLAGS = flags.FLAGS
@@ -20,16 +21,31 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 30000, "port to bind")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
-    flags.DEFINE_integer("max_batch_tokens", 8192, "new tokens in one forward pass")
+    flags.DEFINE_integer("max_prefill_tokens", 8192, "new tokens in one forward pass")
+    flags.DEFINE_integer("max_seqs", 64, "sequences in one forward pass")
+    flags.DEFINE_integer("max_rows", 256, "scored items in one forward pass")
+    flags.DEFINE_integer("max_labels", 64, "label_token_ids of one request")
+    flags.DEFINE_integer("kv_cache_tokens", 0, "KV pool size in tokens; 0: --mem-fraction of "
+                         "free accelerator memory (4 batches on CPU)")
+    flags.DEFINE_float("mem_fraction", 0.8, "share of accelerator memory for params and KV")
+    flags.DEFINE_bool("disable_prefix_cache", False, "recompute every query")
+    flags.DEFINE_bool("skip_warmup", False, "compile shape buckets on first use, not at start")
     flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
-                      "auto: the Pallas kernel on TPU, the plain-JAX reference elsewhere")
+                      "auto: the Pallas kernels on TPU, the planned XLA path elsewhere")
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(
+        dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_prefill_tokens=FLAGS.max_prefill_tokens,
+        max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
+        kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
+        prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
+        attention_backend=FLAGS.attention_backend)
 
 
 async def serve() -> None:
-    engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-        dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_batch_tokens=FLAGS.max_batch_tokens,
-        attention_backend=FLAGS.attention_backend))
+    engine = Engine.from_path(FLAGS.model_path, engine_config())
     server = ScoreServer(engine, ServerConfig(model_name=FLAGS.model_path or "default",
                                               max_body_bytes=FLAGS.max_body_bytes))
     listener = await server.start(FLAGS.host, FLAGS.port)
@@ -41,6 +57,7 @@ async def serve() -> None:
             await listener.serve_forever()
     finally:
         server.close()
+        engine.close()
 
 
 def _underscored(arg: str) -> str:

@@ -1,15 +1,17 @@
-"""Routes of the scoring server, on plain asyncio streams; the model runs in a worker thread."""
+"""Routes of the scoring server, on plain asyncio streams; the model runs in the engine's
+scheduler thread, which batches concurrent requests."""
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
+from typing import Callable
 
 from absl import logging
 
 from runtime.engine import Engine
 from runtime.errors import ScoreError
 from runtime.request import parse_score_request
-from server.http import (HttpError, Request, encode_response, error_body, read_request)
+from server.http import HttpError, Request, encode_response, error_body, read_request
+from server.metrics import prometheus_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +20,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_pending: int = 256    # requests queued or running before 503
     head_limit: int = 64 << 10
+    gone_poll_s: float = 0.2  # how often a waiting request checks that its client is still there
 
 
 def _reject_constant(name: str):
@@ -38,18 +41,19 @@ def parse_json(body: bytes):
 class ScoreServer:
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
         self.engine, self.config = engine, config
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._pending = 0
         self._routes = {"/v1/score": ("POST", self._score), "/health": ("GET", self._health),
                         "/v1/models": ("GET", self._models),
-                        "/get_model_info": ("GET", self._model_info)}
+                        "/get_model_info": ("GET", self._model_info),
+                        "/metrics": ("GET", self._metrics),
+                        "/flush_cache": ("POST", self._flush_cache)}
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         return await asyncio.start_server(self.handle_connection, host, port,
                                           limit=self.config.head_limit)
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        """The engine belongs to the caller, who closes it."""
 
     async def handle_connection(self, reader, writer) -> None:
         try:
@@ -69,12 +73,16 @@ class ScoreServer:
             return False
         if req is None:
             return False
-        status, payload, headers = await self._dispatch(req)
-        writer.write(encode_response(status, payload, req.keep_alive, headers))
+        gone = lambda: reader.at_eof() or writer.is_closing()  # noqa: E731
+        status, payload, headers = await self._dispatch(req, gone)
+        text = isinstance(payload, str)  # /metrics
+        writer.write(encode_response(
+            status, payload.encode() if text else payload, req.keep_alive, headers,
+            "text/plain; version=0.0.4" if text else "application/json"))
         await writer.drain()
         return req.keep_alive
 
-    async def _dispatch(self, req: Request):
+    async def _dispatch(self, req: Request, gone: Callable[[], bool]):
         route = self._routes.get(req.path)
         try:
             if route is None:
@@ -82,38 +90,62 @@ class ScoreServer:
             if req.method != route[0]:
                 return 405, error_body(f"{req.path} allows only {route[0]}", 405,
                                        ScoreError.TYPES[405]), [f"Allow: {route[0]}"]
-            return 200, await route[1](req), []
+            return 200, await route[1](req, gone), []
         except ScoreError as e:
             return e.status, error_body(e.message, e.status, e.type), []
+        except ConnectionError:
+            raise
         except Exception as e:  # a bug: report it, keep serving
             logging.exception("error serving %s %s", req.method, req.path)
             return 500, error_body(f"internal error: {e}", 500, ScoreError.TYPES[500]), []
 
-    async def _score(self, req: Request) -> dict:
+    async def _score(self, req: Request, gone) -> dict:
         score_req = parse_score_request(parse_json(req.body), not self.engine.cfg.is_classifier)
         if self._pending >= self.config.max_pending:
             raise ScoreError("server is saturated, retry later", status=503)
         self._pending += 1
-        try:
-            loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._worker, self.engine.score_request, score_req)
+        try:  # tokenizing runs off the event loop
+            future = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.submit, score_req)
+            result = await self._result_unless_gone(future, gone)
         finally:
             self._pending -= 1
         n = result.prompt_tokens
         return {"scores": result.scores, "model": score_req.model, "object": "scoring",
                 "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
-    async def _health(self, req: Request) -> dict:
+    async def _result_unless_gone(self, future, gone):
+        """The request's result; if its client disconnects first, its work is dropped."""
+        waiting = asyncio.wrap_future(future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.config.gone_poll_s)
+                if done:
+                    return waiting.result()
+                if gone():
+                    raise ConnectionResetError("client went away")
+        finally:
+            future.cancel()  # no-op once answered
+
+    async def _health(self, req: Request, gone) -> dict:
         return {"status": "ok"}
 
-    async def _models(self, req: Request) -> dict:
+    async def _flush_cache(self, req: Request, gone) -> dict:
+        return {"flushed_pages": self.engine.scheduler.flush_prefix_cache()}
+
+    async def _metrics(self, req: Request, gone) -> str:
+        return prometheus_text(self.engine)
+
+    async def _models(self, req: Request, gone) -> dict:
         return {"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "owned_by": "jax-score",
             "max_model_len": self.engine.max_prompt_tokens}]}
 
-    async def _model_info(self, req: Request) -> dict:
+    async def _model_info(self, req: Request, gone) -> dict:
         cfg = self.engine.cfg
         return {"model_path": self.config.model_name, "is_generation": not cfg.is_classifier,
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
-                "dtype": self.engine.engine_cfg.dtype}
+                "dtype": self.engine.engine_cfg.dtype,
+                "attention_backend": self.engine.runner.backend,
+                "compilations": self.engine.runner.compile_count}

@@ -74,10 +74,12 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
     return req
 
 
-def encode_response(status: int, payload, keep_alive: bool, extra_headers=()) -> bytes:
-    body = json.dumps(payload).encode()
+def encode_response(status: int, payload, keep_alive: bool, extra_headers=(),
+                    content_type: str = "application/json") -> bytes:
+    """`payload`: JSON-able, or bytes sent as they are."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
-            "Content-Type: application/json", f"Content-Length: {len(body)}",
+            f"Content-Type: {content_type}", f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}", *extra_headers]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 

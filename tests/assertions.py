@@ -9,3 +9,12 @@ def assert_scores_close(got, want, atol: float = 1e-5) -> None:
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     if (want > 0).all() and (got > 0).all():
         np.testing.assert_allclose(np.log(got), np.log(want), rtol=1e-5, atol=atol)
+
+
+def assert_no_leaked_pages(engine) -> None:
+    """Every page is held by its holders only; with the prefix cache flushed, all are free."""
+    scheduler = engine.scheduler
+    scheduler.check_pages()
+    scheduler.flush_prefix_cache()
+    scheduler.check_pages()
+    assert scheduler.pool.free_count == scheduler.pool.num_pages

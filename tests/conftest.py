@@ -11,10 +11,18 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {f: write_checkpoint(str(root / f), f, seed=i) for i, f in enumerate(FAMILIES)}
 
 
+def small_config(**overrides) -> EngineConfig:
+    """The tests' engine: small budgets, compiled on demand (warm-up has its own tests)."""
+    return EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
+                                  warmup=False), **overrides})
+
+
 @pytest.fixture(scope="session")
 def engines(model_dirs) -> dict[str, Engine]:
-    cfg = EngineConfig(page_size=8, max_batch_tokens=256, max_seqs=8)
-    return {f: Engine.from_path(d, cfg) for f, d in model_dirs.items()}
+    engines = {f: Engine.from_path(d, small_config()) for f, d in model_dirs.items()}
+    yield engines
+    for engine in engines.values():
+        engine.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,29 +1,51 @@
-"""The Pallas ragged paged attention kernel vs the reference, in TPU interpret mode on CPU."""
+"""The Pallas ragged paged attention kernel (TPU interpret mode on CPU) and the planned XLA
+path vs the reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.attention_plan import (AttentionPlan, BlockSizes, build_plan, default_block_sizes,
-                                    visited_kv_blocks)
-from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_attention_reference,
-                                            visible_mask)
+from kernels.attention_plan import (
+    AttentionPlan,
+    BlockSizes,
+    build_plan,
+    default_block_sizes,
+    visited_kv_blocks,
+)
+from kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    ragged_paged_attention_reference,
+    visible_mask,
+)
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from runtime.buckets import bucket
 from tests.attention_cases import random_batch
 from tests.tpu_lowering import tpu_export
 
 
-def plan_for(md, sizes, pad=bucket):
-    return build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes, pad)
+def plan_for(md, sizes, extra=0):
+    """The exact plan, or one padded by `extra` q blocks and steps."""
+    args = (md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes)
+    exact = build_plan(*args)
+    if not extra:
+        return exact
+    return build_plan(*args, len(exact.block_seq) + extra, len(exact.step_block) + extra)
 
 
 def run_both(q, k, v, md, sizes, interpret, layer=1):
-    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes))
+    """`interpret`: TPU interpreter parameters for the Pallas kernel, or "xla"."""
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3))
     kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=bucket(int(np.diff(md.cu_q_lens).max())))
-    got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
-                                 interpret=interpret, **kw)
+    if interpret == "xla":
+        xla = jax.jit(ragged_paged_attention_xla,
+                      static_argnames=("sm_scale", "max_q_len", "sizes"))
+        got = xla(
+            q, k, v, layer, md._replace(plan=plan), sizes=sizes, **kw)
+    else:
+        got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
+                                     interpret=interpret, **kw)
     return np.asarray(got, np.float32), np.asarray(
         ragged_paged_attention_reference(q, k, v, layer, md, **kw), np.float32)
 
@@ -53,8 +75,9 @@ def random_specs(rng):
     return specs
 
 
+@pytest.mark.parametrize("path", ["interpret", "xla"])
 @pytest.mark.parametrize("seed", range(4))
-def test_kernel_matches_reference_on_random_batches(seed):
+def test_kernel_matches_reference_on_random_batches(seed, path):
     rng = np.random.default_rng(100 + seed)
     hkv = int(rng.choice([1, 2]))
     hq = hkv * int(rng.choice([1, 2, 4]))
@@ -62,17 +85,20 @@ def test_kernel_matches_reference_on_random_batches(seed):
     dtype = jnp.float32 if seed % 2 == 0 else jnp.bfloat16
     q, k, v, md, n = random_batch(rng, random_specs(rng), hq=hq, hkv=hkv, d=d, page_size=page,
                                   dtype=dtype)
-    got, want = run_both(q, k, v, md, BlockSizes(8, 2 * page), pltpu.InterpretParams())
+    mode = pltpu.InterpretParams() if path == "interpret" else path
+    got, want = run_both(q, k, v, md, BlockSizes(8, 2 * page), mode)
     assert not np.isnan(got[:n]).any()
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("path", ["interpret", "xla"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernel_matches_reference(case):
+def test_kernel_matches_reference(case, path):
     specs, hq, hkv, d, page, sizes, dtype = CASES[case]
     q, k, v, md, n = random_batch(np.random.default_rng(case), specs, hq=hq, hkv=hkv, d=d,
                                   page_size=page, dtype=dtype)
-    got, want = run_both(q, k, v, md, sizes, pltpu.InterpretParams())
+    mode = pltpu.InterpretParams() if path == "interpret" else path
+    got, want = run_both(q, k, v, md, sizes, mode)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
@@ -90,7 +116,7 @@ def test_kernel_has_no_dma_races(mode):
 
 def brute_force_blocks(md, sizes):
     """Per q block of the plan, the KV blocks that some row of it can see."""
-    plan = plan_for(md, sizes, pad=lambda x: x)
+    plan = plan_for(md, sizes)
     needed = []
     for b in range(plan.block_tokens.shape[0]):
         s, pos, vis = plan.block_seq[b], plan.row_pos[b], plan.row_vis[b]
@@ -120,8 +146,17 @@ def test_sixty_four_items_visit_only_prefix_and_own_item_blocks():
 def test_padding_steps_are_not_counted():
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
                                   page_size=8, dtype=jnp.float32)
-    plan = plan_for(md, BlockSizes(8, 8))
+    plan = plan_for(md, BlockSizes(8, 8), extra=1)
     assert len(plan.step_block) == 16 and visited_kv_blocks(plan) == 15  # 5 q blocks: 1+2+...+5
+    assert plan.num_steps == 15
+
+
+def test_plan_larger_than_its_padding_is_refused():
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
+                                  page_size=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="15 steps"):
+        build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, BlockSizes(8, 8),
+                   max_blocks=8, max_steps=14)
 
 
 MODEL_HEADS = {"SmolLM2-135M": (9, 3, 64), "Qwen3-0.6B": (16, 8, 128), "Qwen2-0.5B": (14, 2, 64),
@@ -140,7 +175,7 @@ def test_kernel_lowers_for_tpu(model, dtype, page):
     md = AttentionMetadata(sds((s + 1,), i32), sds((s,), i32), sds((s, p), i32), sds((s,), i32),
                            sds((t,), i32))
     plan = AttentionPlan(*[sds((nb, bq), i32)] * 3, sds((nb,), i32), *[sds((ns,), i32)] * 3,
-                         sds((t,), i32), sds((t,), i32))
+                         sds((t,), i32), sds((t,), i32), sds((), i32))
 
     def fn(q, k, v, layer, md, plan):
         return ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sm_scale=0.1,

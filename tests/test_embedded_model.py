@@ -5,12 +5,17 @@ import pytest
 from model.gguf_loader import unpermute_rows
 from model.loader import embedded_model_path
 from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
 from tests.assertions import assert_scores_close
 
 
 @pytest.fixture(scope="module")
 def smollm() -> Engine:
-    return Engine.from_path(None)
+    # max_labels: one test asks for the whole vocabulary's distribution
+    engine = Engine.from_path(None, EngineConfig(max_prefill_tokens=512, max_labels=49152,
+                                                 warmup=False))
+    yield engine
+    engine.close()
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -156,7 +156,7 @@ def test_engine_bug_is_500_and_only_that_request_fails(engines, monkeypatch):
     def broken(req):
         raise RuntimeError("injected failure")
     with serving(engines["llama"]) as p:
-        monkeypatch.setattr(engines["llama"], "score_request", broken)
+        monkeypatch.setattr(engines["llama"], "submit", broken)
         assert_error(*call(p, "POST", "/v1/score", OK)[:2], 500, "injected failure")
         monkeypatch.undo()
         assert call(p, "POST", "/v1/score", OK)[0] == 200
@@ -170,8 +170,8 @@ def test_saturated_server_answers_503(engines):
 
 def test_health_answers_during_a_forward(engines, monkeypatch):
     engine = engines["llama"]
-    real = engine.score_request
-    monkeypatch.setattr(engine, "score_request", lambda req: (time.sleep(2.0), real(req))[1])
+    real = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda *a: (time.sleep(2.0), real(*a))[1])
     with serving(engine) as p:
         worker = threading.Thread(target=call, args=(p, "POST", "/v1/score", OK))
         worker.start()
@@ -187,7 +187,8 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
     import subprocess
     import sys
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
-                             "--port", "0", "--dtype=float32", "--max-batch-tokens", "512"],
+                             "--port", "0", "--dtype=float32", "--max-prefill-tokens", "64",
+                             "--max-seqs=4", "--max-rows=16", "--disable-prefix-cache"],
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

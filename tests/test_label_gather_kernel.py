@@ -1,11 +1,12 @@
-"""The fused RMSNorm + label gather kernels vs the reference, in TPU interpret mode on CPU."""
+"""The fused RMSNorm + label gather kernels (TPU interpret mode on CPU) and the row-blocked
+XLA path vs the reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.label_gather import final_norm_label_gather_reference
+from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
 from tests.tpu_lowering import tpu_export
 
@@ -53,6 +54,24 @@ def test_softcap_matches_reference():
     got = final_norm_label_gather(*args, **kw, vocab_tile=1024, interpret=pltpu.InterpretParams())
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_lse", [True, False])
+@pytest.mark.parametrize("num_rows", [0, 5, 16, 37, 64])
+def test_xla_path_computes_the_first_rows(num_rows, with_lse):
+    args = inputs(np.random.default_rng(num_rows), 64, 3, 5000, jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=with_lse, softcap=3.0)
+    want = final_norm_label_gather_reference(*args, **kw)
+    got = jax.jit(final_norm_label_gather_xla,
+                  static_argnames=("eps", "with_logsumexp", "softcap", "row_block"))(
+        *args, **kw, num_rows=num_rows, row_block=16)
+    np.testing.assert_allclose(got[0][:num_rows], want[0][:num_rows], rtol=1e-5, atol=1e-5)
+    skipped = -(-num_rows // 16) * 16  # whole row blocks past num_rows are not computed
+    assert not np.asarray(got[0][skipped:]).any()
+    if with_lse:
+        np.testing.assert_allclose(got[1][:num_rows], want[1][:num_rows], rtol=1e-5, atol=1e-5)
+    else:
+        assert got[1] is None
 
 
 QWEN3 = dict(rows=64, vocab=151936, width=1024)

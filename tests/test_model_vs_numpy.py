@@ -65,11 +65,12 @@ def test_classifier_ignores_labels_and_returns_classes(engines):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_cls"])
 def test_bfloat16_engine_is_close_to_float32(model_dirs, engines, family):
-    from runtime.engine import Engine, EngineConfig
-    bf16 = Engine.from_path(model_dirs[family], EngineConfig(dtype="bfloat16", page_size=8,
-                                                             max_batch_tokens=256, max_seqs=8))
+    from runtime.engine import Engine
+    from tests.conftest import small_config
+    bf16 = Engine.from_path(model_dirs[family], small_config(dtype="bfloat16"))
     got = np.array(bf16.score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)
     want = np.array(engines[family].score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)
-    assert bf16._cache.k.dtype == np.dtype("bfloat16")
+    assert bf16.runner.cache.k.dtype == np.dtype("bfloat16")
+    bf16.close()
     np.testing.assert_allclose(got, want, atol=0.05)
     np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-6)

@@ -2,9 +2,10 @@
 import numpy as np
 import pytest
 
-from runtime.engine import Engine, EngineConfig
+from runtime.engine import Engine
 from runtime.packing import item_chunks, multi_item_sequence
-from tests.assertions import assert_scores_close
+from tests.assertions import assert_no_leaked_pages, assert_scores_close
+from tests.conftest import small_config
 
 TEXT_ITEMS = ["", "a", " Paris", " the flag of Tokyo is a city in Japan", "🙂", "", " 123"]
 
@@ -37,8 +38,8 @@ def test_random_token_items_packed_equal_single(engines, seed):
 
 
 def test_chunked_request_equals_unchunked(model_dirs, engines):
-    small = Engine.from_path(model_dirs["qwen2"], EngineConfig(page_size=4, max_batch_tokens=32,
-                                                               max_seqs=2))
+    small = Engine.from_path(model_dirs["qwen2"], small_config(
+        page_size=4, max_prefill_tokens=32, max_seqs=2, max_rows=32))
     rng = np.random.default_rng(1)
     query = rng.integers(0, 320, 10).tolist()
     items = [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(1, 9, 20)]
@@ -46,7 +47,8 @@ def test_chunked_request_equals_unchunked(model_dirs, engines):
         big = engines["qwen2"].score(query, items, [1, 2], item_first=item_first)
         chunked = small.score(query, items, [1, 2], item_first=item_first)
         assert_scores_close(chunked.scores, big.scores)
-    assert small.pages.free_count == small.pages.num_pages
+    assert_no_leaked_pages(small)
+    small.close()
 
 
 def test_multi_item_sequence_layout():
@@ -65,10 +67,10 @@ def test_item_chunks_respect_budget():
 
 
 def test_many_empty_items_are_split_by_rows(model_dirs):
-    eng = Engine.from_path(model_dirs["llama"], EngineConfig(page_size=8, max_batch_tokens=64,
-                                                             max_rows=16))
+    eng = Engine.from_path(model_dirs["llama"], small_config(max_prefill_tokens=64, max_rows=16))
     got = eng.score("a query", [""] * 50 + ["x"], [1, 2])
     alone = eng.score("a query", [""], [1, 2]).scores[0]
     assert len(got.scores) == 51
     assert_scores_close(got.scores[:50], [alone] * 50)
-    assert eng.pages.free_count == eng.pages.num_pages
+    assert_no_leaked_pages(eng)
+    eng.close()

@@ -24,7 +24,7 @@ def test_bench_engine_cli_writes_json(model_dirs, tmp_path):
     assert json.loads(out.read_text())["shape"]["num_items"] == 3
 
 
-@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("backend", ["reference", "xla", "interpret"])
 def test_bench_attention_reports_work_and_time(backend):
     from profiling.bench_attention import Heads, run
     result = run(["mis_120q_10x18", "mis_120q_64x18"], backend, repeats=1,

@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 
 from kernels.label_gather import final_norm_label_gather_reference
-from kernels.ragged_paged_attention import (AttentionMetadata, ragged_paged_attention_reference,
-                                            write_kv_pages)
+from kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    ragged_paged_attention_reference,
+    write_kv_pages,
+)
 
 LAYERS, HKV, HQ, D, PAGE, PAGES = 2, 2, 4, 16, 4, 24
 

@@ -1,0 +1,86 @@
+"""Runtime configuration, validated once, and the sizes derived from it and the model."""
+import dataclasses
+
+import jax
+import numpy as np
+
+from kernels.attention_plan import BlockSizes, default_block_sizes
+from model.config import ModelConfig
+from model.decoder import ATTENTION_BACKENDS
+from model.loader import DTYPES
+from runtime.buckets import ShapeBuckets, pages_needed
+
+CPU_KV_TOKENS_PER_BATCH = 4  # default pool on CPU: this many full batches of tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    page_size: int = 16
+    max_prefill_tokens: int = 8192  # new tokens in one forward
+    max_seqs: int = 64              # sequences in one forward
+    max_rows: int = 256             # scored items in one forward
+    max_labels: int = 64            # label ids of one request
+    kv_cache_tokens: int = 0        # KV pool size; 0: mem_fraction of free accelerator memory
+    mem_fraction: float = 0.8       # (on CPU: CPU_KV_TOKENS_PER_BATCH batches)
+    prefix_cache: bool = True
+    warmup: bool = True             # compile every shape bucket at start-up
+    attention_backend: str = "auto"  # "auto": the Pallas kernels on TPU, the XLA path elsewhere
+    q_block: int = 0                # attention block sizes; 0: from the table for this device
+    kv_block: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto",) + ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}")
+        positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels")
+        if any(getattr(self, name) <= 0 for name in positive) or not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"{positive} must be positive and mem_fraction in (0, 1]: {self}")
+        if max(self.page_size, self.max_seqs, self.max_rows) > self.max_prefill_tokens:
+            raise ValueError("page_size, max_seqs and max_rows may not exceed max_prefill_tokens")
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.min_kv_tokens:
+            raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one batch: "
+                             f"at least {self.min_kv_tokens} are needed")
+
+    @property
+    def min_kv_tokens(self) -> int:
+        """One full batch: every sequence may waste a partial page."""
+        pages = pages_needed(self.max_prefill_tokens, self.page_size) + self.max_seqs
+        return pages * self.page_size
+
+    def backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "pallas" if jax.default_backend() == "tpu" else "xla"
+
+    def block_sizes(self) -> BlockSizes | None:
+        backend = self.backend()
+        if backend == "reference":
+            return None
+        device = jax.devices()[0].device_kind if backend != "xla" else "xla"
+        default = default_block_sizes(device, self.page_size)
+        sizes = BlockSizes(self.q_block or default.q_block, self.kv_block or default.kv_block)
+        sizes.check(self.page_size)
+        return sizes
+
+    def buckets(self, cfg: ModelConfig) -> ShapeBuckets:
+        labels = cfg.num_labels if cfg.is_classifier else self.max_labels
+        return ShapeBuckets(self.max_prefill_tokens, self.max_seqs, self.max_rows, labels,
+                            self.max_prompt_tokens(cfg), self.page_size, self.block_sizes())
+
+    def max_prompt_tokens(self, cfg: ModelConfig) -> int:
+        return min(cfg.max_context, self.max_prefill_tokens)
+
+    def num_pages(self, cfg: ModelConfig) -> int:
+        tokens = self.kv_cache_tokens or self._auto_kv_tokens(cfg)
+        return pages_needed(max(tokens, self.min_kv_tokens), self.page_size)
+
+    def _auto_kv_tokens(self, cfg: ModelConfig) -> int:
+        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return CPU_KV_TOKENS_PER_BATCH * self.max_prefill_tokens
+        free = stats["bytes_limit"] * self.mem_fraction - stats.get("bytes_in_use", 0)
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(
+            DTYPES[self.dtype]).itemsize
+        return int(free // per_token)

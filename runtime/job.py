@@ -1,0 +1,74 @@
+"""One scoring request in the runtime: its work units and its result, filled as units finish."""
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from runtime.errors import ScoreError
+from runtime.packing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    scores: list[list[float]]
+    prompt_tokens: int  # tokens of the sequences scored (cached or computed)
+
+
+def label_scores(logits: np.ndarray, lse: np.ndarray, apply_softmax: bool,
+                 is_classifier: bool) -> np.ndarray:
+    """SPEC §3: softmax over the labels, raw classifier logits, or full-vocabulary probs."""
+    if apply_softmax:
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+    if is_classifier:
+        return logits
+    return np.exp(logits - lse[:, None])
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    labels: list[int]
+    n_items: int
+    apply_softmax: bool
+    is_classifier: bool
+    future: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+    pending: int = 0        # units not finished
+    prompt_tokens: int = 0
+
+    def __post_init__(self):
+        self.logits = np.zeros((self.n_items, len(self.labels)))
+        self.lse = np.zeros(self.n_items)
+
+    @property
+    def with_lse(self) -> bool:
+        return not self.apply_softmax and not self.is_classifier
+
+    @property
+    def active(self) -> bool:
+        """False once cancelled, failed or answered: its remaining units are dropped."""
+        return not self.future.done()
+
+    def unit_done(self, items: list[int], logits: np.ndarray, lse: np.ndarray) -> None:
+        self.logits[items], self.lse[items] = logits[:, :len(self.labels)], lse
+        self.pending -= 1
+        if self.pending == 0:
+            scores = label_scores(self.logits, self.lse, self.apply_softmax, self.is_classifier)
+            self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(), self.prompt_tokens)))
+
+    def fail(self, error: ScoreError) -> None:
+        self._settle(lambda f: f.set_exception(error))
+
+    def _settle(self, how) -> None:
+        try:
+            how(self.future)
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled meanwhile: nobody waits for it
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """One sequence of a job, scoring `items` (its rows, in order)."""
+    job: Job
+    seq: Sequence
+    items: list[int]
