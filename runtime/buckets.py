@@ -1,6 +1,6 @@
 """Padding of jitted shapes to a few sizes, so that varied requests reuse compiled code.
 
-Only the token count picks a bucket; every other dimension is a fixed function of it, and
+Only the token count picks a bucket (`token_sizes`); every other dimension is a fixed function of it, and
 work inside the model follows the real counts (the attention plan's steps, the scored rows).
 """
 import dataclasses
@@ -44,17 +44,22 @@ class ShapeBuckets:
     sizes: BlockSizes | None = None  # attention blocks, when the backend walks a plan
 
     def token_sizes(self) -> tuple[int, ...]:
-        sizes = [MIN_TOKENS]
-        while sizes[-1] < self.max_tokens:
-            sizes.append(sizes[-1] * 2)
-        return tuple(sizes)
+        """16, 24, 32, 48, 64, ...: powers of two and the halves between them, so that
+        padding wastes at most a third of a forward."""
+        sizes, size = [], MIN_TOKENS
+        while not sizes or sizes[-1] < self.max_tokens:
+            sizes += [size, size * 3 // 2]
+            size *= 2
+        return tuple(s for s in sizes if s < self.max_tokens) + (
+            next(s for s in sizes if s >= self.max_tokens),)
 
     def shape(self, n_tokens: int, n_rows: int = 0, n_seqs: int = 0) -> BatchShape:
         """The bucket of a batch; empty items make rows outnumber tokens, hence the max."""
         if n_tokens > self.max_tokens or n_rows > self.max_rows or n_seqs > self.max_seqs:
             raise ValueError(f"a batch of {n_tokens} tokens, {n_rows} rows and {n_seqs} "
                              f"sequences exceeds the budgets {self}")
-        tokens = bucket(max(n_tokens, n_rows, n_seqs), MIN_TOKENS)
+        need = max(n_tokens, n_rows, n_seqs)
+        tokens = next(size for size in self.token_sizes() if size >= need)
         seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
         pages = pages_needed(self.max_kv_len, self.page_size)
         plan = (0, 0) if self.sizes is None else max_plan_size(

@@ -1,12 +1,12 @@
 import numpy as np
 
 
-def assert_scores_close(got, want, atol: float = 1e-5) -> None:
-    """Scores within `atol`; positive ones also within 1e-5 relative in log space,
-    so that tiny probabilities are compared too."""
+def assert_scores_close(got, want, atol: float = 1e-5, rtol: float = 0.0) -> None:
+    """Scores within `atol` (+ `rtol`, for unbounded classifier logits); positive ones also
+    within 1e-5 relative in log space, so that tiny probabilities are compared too."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape, (got.shape, want.shape)
-    np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+    np.testing.assert_allclose(got, want, atol=atol, rtol=rtol)
     if (want > 0).all() and (got > 0).all():
         np.testing.assert_allclose(np.log(got), np.log(want), rtol=1e-5, atol=atol)
 
