@@ -1,7 +1,8 @@
 """Padding of jitted shapes to a few sizes, so that varied requests reuse compiled code.
 
-Only the token count picks a bucket (`token_sizes`); every other dimension is a fixed function of it, and
-work inside the model follows the real counts (the attention plan's steps, the scored rows).
+Only the token count picks a bucket (`token_sizes`); every other dimension is a fixed
+function of it, and work inside the model follows the real counts (the attention plan's
+steps, the scored rows).
 """
 import dataclasses
 
