@@ -3,6 +3,10 @@
 Programs are compiled ahead of time per (BatchShape, with_logsumexp), explicitly, so every
 compilation is counted and a batch never silently retraces.
 """
+import concurrent.futures
+import os
+import threading
+
 import jax
 import numpy as np
 
@@ -23,6 +27,7 @@ class ModelRunner:
         self._jitted = jax.jit(score_forward, donate_argnames=("cache",), static_argnames=(
             "cfg", "max_q_len", "with_logsumexp", "backend", "sizes"))
         self._programs = {}
+        self._compile_lock = threading.Lock()
         self.compile_count = 0
 
     @property
@@ -39,18 +44,25 @@ class ModelRunner:
     def _program(self, batch: ForwardBatch, shape: BatchShape, with_lse: bool):
         key = (shape, with_lse)
         if key not in self._programs:
-            self._programs[key] = self._jitted.lower(
+            program = self._jitted.lower(
                 self.params, self.cache, batch, cfg=self.cfg, max_q_len=shape.tokens,
                 with_logsumexp=with_lse, backend=self.backend, sizes=self.sizes).compile()
-            self.compile_count += 1
+            with self._compile_lock:
+                self._programs[key] = program
+                self.compile_count += 1
         return self._programs[key]
 
-    def warm_up(self) -> None:
-        """Compiles every bucket, with and without the logsumexp."""
-        for shape in self.buckets.all_shapes():
+    def warm_up(self, threads: int = os.cpu_count() or 1) -> None:
+        """Compiles every bucket, with and without the logsumexp, on `threads` threads
+        (XLA compiles outside the GIL)."""
+        def compile_one(job):
+            shape, with_lse = job
             batch = build_batch([], [], shape, self.buckets.page_size, self.num_slots, self.sizes)
-            for with_lse in (False, True):
-                self._program(batch, shape, with_lse)
+            self._program(batch, shape, with_lse)
+
+        jobs = [(shape, lse) for shape in self.buckets.all_shapes() for lse in (False, True)]
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(compile_one, jobs))
 
     def run(self, batch: ForwardBatch, shape: BatchShape, with_lse: bool):
         """Label logits [rows, labels] and logsumexp [rows] (zeros without) as float64."""

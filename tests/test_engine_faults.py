@@ -1,6 +1,5 @@
 """A failed forward fails only its own batch; cancelled requests leave; no page ever leaks."""
 import concurrent.futures
-import threading
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from runtime.errors import ScoreError
 from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.conftest import small_config
+from tests.gated_runner import GatedRunner
 
 
 @pytest.fixture
@@ -22,25 +22,6 @@ def engine(model_dirs) -> Engine:
 
 def request(query, items, labels=(1, 2), **kw):
     return parse_score_request(dict(query=query, items=items, label_token_ids=list(labels), **kw))
-
-
-class GatedRunner:
-    """Wraps runner.run: holds forwards until released, records their rows, fails chosen ones."""
-
-    def __init__(self, runner, monkeypatch, fail=lambda call: False):
-        self.real, self.fail = runner.run, fail
-        self.entered, self.release = threading.Event(), threading.Event()
-        self.rows = []
-        monkeypatch.setattr(runner, "run", self.run)
-
-    def run(self, batch, shape, with_lse):
-        call = len(self.rows)
-        self.rows.append(int(batch.num_rows))
-        self.entered.set()
-        assert self.release.wait(60)
-        if self.fail(call):
-            raise RuntimeError(f"injected fault in forward {call}")
-        return self.real(batch, shape, with_lse)
 
 
 def test_failure_after_cache_donation_does_not_break_later_requests(engine, monkeypatch):

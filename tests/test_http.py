@@ -1,4 +1,5 @@
 """The HTTP contract of SPEC §2 over a real socket."""
+import json
 import socket
 import threading
 import time
@@ -205,3 +206,31 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_client_that_disconnects_has_its_request_dropped(model_dirs, monkeypatch):
+    from runtime.engine import Engine
+    from tests.assertions import assert_no_leaked_pages
+    from tests.conftest import small_config
+    from tests.gated_runner import GatedRunner
+    engine = Engine.from_path(model_dirs["llama"], small_config())
+    gate = GatedRunner(engine.runner, monkeypatch)
+    with serving(engine, ServerConfig(gone_poll_s=0.02)) as p:
+        busy = threading.Thread(target=call, args=(p, "POST", "/v1/score", OK))
+        busy.start()
+        assert gate.entered.wait(60)  # the first request holds the scheduler
+        body = json.dumps({**OK, "items": ["x"] * 5}).encode()
+        with socket.create_connection(("127.0.0.1", p), timeout=30) as s:
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body))
+            deadline = time.monotonic() + 30
+            while engine.scheduler.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.scheduler.waiting == 1  # queued behind the first
+        time.sleep(0.5)  # many polls: the server has seen the client go
+        gate.release.set()
+        busy.join(60)
+        assert call(p, "GET", "/health")[0] == 200
+    assert gate.rows == [len(OK["items"])]  # the dropped request's 5 items never ran
+    assert_no_leaked_pages(engine)
+    engine.close()
