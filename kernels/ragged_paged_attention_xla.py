@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.attention_plan import FIRST, LAST, AttentionPlan, BlockSizes
+from kernels.attention_plan import FIRST, AttentionPlan, BlockSizes
 from kernels.ragged_paged_attention import AttentionMetadata, check_shapes, visible_mask
 
 _MASKED = -1e30
@@ -24,29 +24,27 @@ def _block_kv(pages_of_seq, kv, k_layer, v_layer, pages_per_block):
     return k_layer[:, pages].reshape(hkv, -1, d), v_layer[:, pages].reshape(hkv, -1, d)
 
 
-def _step(i, carry, *, q, k_layer, v_layer, pages, md, plan, sm_scale, sizes):
+def _step(i, carry, *, q_blocks, k_layer, v_layer, pages, md, plan, sm_scale, sizes):
+    """One (q block, KV block) pair; rows are (query head in group, token), as in the kernel."""
     out, m, total, acc = carry
-    block, kv, flags = plan.step_block[i], plan.step_kv[i], plan.step_flags[i]
-    first = (flags & FIRST) != 0
+    block, kv, first = plan.step_block[i], plan.step_kv[i], (plan.step_flags[i] & FIRST) != 0
     reset = ((m, _MASKED), (total, 0.0), (acc, 0.0))
     m, total, acc = (jnp.where(first, init, x) for x, init in reset)
-    seq, rows, pos = plan.block_seq[block], plan.block_tokens[block], plan.row_pos[block]
-    hkv, d = k_layer.shape[0], k_layer.shape[-1]
-    qb = q[rows].astype(jnp.float32).reshape(rows.shape[0], hkv, -1, d)
+    seq, pos = plan.block_seq[block], plan.row_pos[block]
     k, v = _block_kv(pages[seq], kv, k_layer, v_layer, sizes.kv_block // k_layer.shape[2])
-    s = jnp.einsum("chgd,hkd->hgck", qb, k.astype(jnp.float32)) * sm_scale
+    s = jnp.einsum("hrd,hkd->hrk", q_blocks[block], k.astype(jnp.float32)) * sm_scale
     cols = kv * sizes.kv_block + jnp.arange(sizes.kv_block)
     mask = visible_mask(pos, plan.row_vis[block], md.prefix_lens[seq], md.kv_lens[seq], cols)
-    mask = mask & (pos >= 0)[:, None]
+    mask = jnp.tile(mask & (pos >= 0)[:, None], (s.shape[1] // pos.shape[0], 1))
     s = jnp.where(mask, s, _MASKED)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
     total = alpha * total + p.sum(axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum("hgck,hkd->hgcd", p, v.astype(jnp.float32))
-    done = acc / jnp.where(total > 0, total, 1.0)[..., None]  # [Hkv, G, C, D]
-    dest = jnp.where(((flags & LAST) != 0) & (pos >= 0), rows, out.shape[0])
-    out = out.at[dest].set(done.transpose(2, 0, 1, 3).reshape(rows.shape[0], -1, d), mode="drop")
+    acc = alpha[..., None] * acc + jnp.einsum("hrk,hkd->hrd", p, v.astype(jnp.float32))
+    # Every step stores its q block's running result; a block's last step leaves the final one.
+    done = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    out = jax.lax.dynamic_update_slice(out, done[None], (block, 0, 0, 0))
     return out, m_new, total, acc
 
 
@@ -65,14 +63,18 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata
                          f"sizes say {sizes.q_block}")
     t, hq, d = q.shape
     hkv, bq = k_pages.shape[1], sizes.q_block
+    group, n_blocks = hq // hkv, plan.block_tokens.shape[0]
     per_block = sizes.kv_block // page_size
     pages = md.page_indices
     pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % per_block)))
+    q_blocks = q[plan.block_tokens].astype(jnp.float32).reshape(n_blocks, bq, hkv, group, d)
+    q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(n_blocks, hkv, group * bq, d)
     step = functools.partial(
-        _step, q=q, k_layer=k_pages[layer], v_layer=v_pages[layer], pages=pages, md=md,
-        plan=plan, sm_scale=sm_scale, sizes=sizes)
-    stats = jnp.full((hkv, hq // hkv, bq), _MASKED, jnp.float32)
-    carry = (jnp.zeros((t, hq, d), jnp.float32), stats, jnp.zeros_like(stats),
-             jnp.zeros((hkv, hq // hkv, bq, d), jnp.float32))
+        _step, q_blocks=q_blocks, k_layer=k_pages[layer], v_layer=v_pages[layer], pages=pages,
+        md=md, plan=plan, sm_scale=sm_scale, sizes=sizes)
+    stats = jnp.full((hkv, group * bq), _MASKED, jnp.float32)
+    carry = (jnp.zeros((n_blocks, hkv, group * bq, d), jnp.float32), stats,
+             jnp.zeros_like(stats), jnp.zeros((hkv, group * bq, d), jnp.float32))
     out = jax.lax.fori_loop(0, jnp.asarray(plan.num_steps, jnp.int32), step, carry)[0]
-    return out.astype(q.dtype)
+    out = out.reshape(n_blocks, hkv, group, bq, d).transpose(0, 3, 1, 2, 4)
+    return out.reshape(n_blocks, bq, hq, d)[plan.token_block, plan.token_row].astype(q.dtype)
