@@ -97,3 +97,19 @@ def test_pages_balance_after_random_faults_and_cancellations(engine, monkeypatch
     gate.fail = lambda call: False
     for req, got in done:
         assert_scores_close(got, engine.score_request(req).scores)
+
+
+def test_first_come_first_served_never_starves_a_big_request(engine, monkeypatch):
+    gate = GatedRunner(engine.runner, monkeypatch)
+    finished = []
+    blocker = engine.submit(request("blocker", ["a"]))
+    assert gate.entered.wait(60)
+    big = engine.submit(request([7] * 30, [[8] * 10] * 6))  # two chunks: 64-token budget
+    small = [engine.submit(request([9], [[k]])) for k in range(6)]  # each fits anywhere
+    for name, future in [("blocker", blocker), ("big", big)] + [("small", f) for f in small]:
+        future.add_done_callback(lambda f, name=name: finished.append(name))
+    gate.release.set()
+    for future in [blocker, big, *small]:
+        future.result(60)
+    assert finished == ["blocker", "big"] + ["small"] * 6
+    assert gate.rows[1] == 3  # the big request's first chunk ran alone: nothing jumped ahead

@@ -136,6 +136,21 @@ def test_info_endpoints(port):
     assert info["is_generation"] is True and info["vocab_size"] == 320
 
 
+def test_compilations_are_reported_in_info_and_metrics(port, engines):
+    import http.client
+    assert call(port, "POST", "/v1/score", OK)[0] == 200
+    _, info, _ = call(port, "GET", "/get_model_info")
+    assert info["compilations"] == engines["llama"].runner.compile_count > 0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    lines = resp.read().decode().splitlines()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
+    assert f"jax_score_compilations_total {info['compilations']}" in lines
+    assert "# TYPE jax_score_kv_pages_free gauge" in lines
+
+
 def raw_exchange(port, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(data)
