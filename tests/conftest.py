@@ -1,6 +1,7 @@
 import pytest
 
-from runtime.engine import Engine, EngineConfig
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, write_checkpoint
 
