@@ -66,7 +66,7 @@ class ScoreServer:
 
     async def _serve_one(self, reader, writer) -> bool:
         try:
-            req = await read_request(reader, self.config.max_body_bytes)
+            req = await read_request(reader, self.config.max_body_bytes, writer)
         except HttpError as e:
             writer.write(encode_response(e.status, error_body(e.message, e.status, e.type), False))
             await writer.drain()
@@ -78,7 +78,8 @@ class ScoreServer:
         text = isinstance(payload, str)  # /metrics
         writer.write(encode_response(
             status, payload.encode() if text else payload, req.keep_alive, headers,
-            "text/plain; version=0.0.4" if text else "application/json"))
+            "text/plain; version=0.0.4" if text else "application/json",
+            head_only=req.method == "HEAD"))
         await writer.drain()
         return req.keep_alive
 
@@ -87,9 +88,10 @@ class ScoreServer:
         try:
             if route is None:
                 raise ScoreError(f"no route {req.path}", status=404)
-            if req.method != route[0]:
-                return 405, error_body(f"{req.path} allows only {route[0]}", 405,
-                                       ScoreError.TYPES[405]), [f"Allow: {route[0]}"]
+            allowed = ("GET", "HEAD") if route[0] == "GET" else (route[0],)
+            if req.method not in allowed:
+                return 405, error_body(f"{req.path} allows only {' and '.join(allowed)}", 405,
+                                       ScoreError.TYPES[405]), [f"Allow: {', '.join(allowed)}"]
             return 200, await route[1](req, gone), []
         except ScoreError as e:
             return e.status, error_body(e.message, e.status, e.type), []

@@ -6,7 +6,8 @@ import json
 from runtime.errors import ScoreError
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 413: "Payload Too Large", 431: "Request Header Fields Too Large",
+           408: "Request Timeout", 413: "Payload Too Large", 417: "Expectation Failed",
+           431: "Request Header Fields Too Large",
            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable"}
 
 
@@ -47,10 +48,10 @@ def _parse_head(head: bytes) -> Request:
     return Request(method, target.split("?", 1)[0], version, headers)
 
 
+MAX_TRAILERS = 32
+
+
 def _content_length(req: Request, max_body: int) -> int:
-    if "transfer-encoding" in req.headers:
-        raise HttpError("Transfer-Encoding request bodies are not supported; send Content-Length",
-                        status=501)
     raw = req.headers.get("content-length", "0")
     if not raw.isdigit():
         raise HttpError(f"invalid Content-Length {raw[:40]!r}")
@@ -59,8 +60,62 @@ def _content_length(req: Request, max_body: int) -> int:
     return int(raw)
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request | None:
-    """The next request on the connection, or None when the client closed it."""
+def _is_chunked(req: Request) -> bool:
+    coding = req.headers.get("transfer-encoding")
+    if coding is None:
+        return False
+    if "content-length" in req.headers:
+        raise HttpError("both Transfer-Encoding and Content-Length: send one")
+    if coding.lower() != "chunked":
+        raise HttpError(f"Transfer-Encoding {coding[:40]!r} is not supported; send chunked or "
+                        "Content-Length", status=501)
+    return True
+
+
+async def _line(reader: asyncio.StreamReader, what: str) -> bytes:
+    try:
+        return (await reader.readuntil(b"\r\n"))[:-2]
+    except asyncio.LimitOverrunError:
+        raise HttpError(f"{what} too long") from None
+
+
+async def _chunked_body(reader: asyncio.StreamReader, max_body: int) -> bytes:
+    """A chunked body (RFC 9112 §7.1); chunk extensions and trailers are read and ignored."""
+    body = bytearray()
+    while True:
+        size_text = (await _line(reader, "chunk size line")).split(b";", 1)[0].strip()
+        if not size_text or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+            raise HttpError(f"invalid chunk size {size_text[:20]!r}")
+        size = int(size_text, 16)
+        if len(body) + size > max_body:
+            raise HttpError(f"body exceeds the limit of {max_body} bytes", status=413)
+        if size == 0:
+            break
+        body += await reader.readexactly(size)
+        if await reader.readexactly(2) != b"\r\n":
+            raise HttpError("chunk data not followed by CRLF")
+    for _ in range(MAX_TRAILERS + 1):
+        if not await _line(reader, "trailer line"):
+            return bytes(body)
+    raise HttpError(f"more than {MAX_TRAILERS} trailer lines")
+
+
+async def _continue(req: Request, writer) -> None:
+    """Answers `Expect: 100-continue` once the head is accepted, before the body is read."""
+    expect = req.headers.get("expect")
+    if expect is None:
+        return
+    if expect.lower() != "100-continue":
+        raise HttpError(f"unsupported Expect {expect[:40]!r}", status=417)
+    if writer is not None:
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+
+
+async def read_request(reader: asyncio.StreamReader, max_body: int,
+                       writer=None) -> Request | None:
+    """The next request on the connection, or None when the client closed it. `writer`
+    answers `Expect: 100-continue`."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as e:
@@ -70,18 +125,24 @@ async def read_request(reader: asyncio.StreamReader, max_body: int) -> Request |
     except asyncio.LimitOverrunError:
         raise HttpError("request head too large", status=431) from None
     req = _parse_head(head[:-4])
-    req.body = await reader.readexactly(_content_length(req, max_body))
+    if _is_chunked(req):
+        await _continue(req, writer)
+        req.body = await _chunked_body(reader, max_body)
+    else:
+        length = _content_length(req, max_body)
+        await _continue(req, writer)
+        req.body = await reader.readexactly(length)
     return req
 
 
 def encode_response(status: int, payload, keep_alive: bool, extra_headers=(),
-                    content_type: str = "application/json") -> bytes:
-    """`payload`: JSON-able, or bytes sent as they are."""
+                    content_type: str = "application/json", head_only: bool = False) -> bytes:
+    """`payload`: JSON-able, or bytes sent as they are; `head_only` (HEAD) sends no body."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
             f"Content-Type: {content_type}", f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}", *extra_headers]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)
 
 
 def error_body(message: str, status: int, err_type: str) -> dict:

@@ -1,5 +1,6 @@
 """The HTTP contract of SPEC §2 over a real socket."""
 import json
+import re
 import socket
 import threading
 import time
@@ -249,3 +250,88 @@ def test_a_client_that_disconnects_has_its_request_dropped(model_dirs, monkeypat
     assert gate.rows == [len(OK["items"])]  # the dropped request's 5 items never ran
     assert_no_leaked_pages(engine)
     engine.close()
+
+
+def exchange_keep_open(port, data: bytes, responses: int) -> list[bytes]:
+    """Sends `data`, reads `responses` complete responses (Content-Length framed)."""
+    out, buf = [], b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        while len(out) < responses:
+            while b"\r\n\r\n" not in buf:
+                buf += s.recv(65536)
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = int(re.search(rb"Content-Length: (\d+)", head).group(1)) if (
+                b"Content-Length" in head) else 0
+            while len(buf) < length:
+                buf += s.recv(65536)
+            out.append(head + b"\r\n\r\n" + buf[:length])
+            buf = buf[length:]
+    return out
+
+
+def post(body: bytes, headers: str = "") -> bytes:
+    return (b"POST /v1/score HTTP/1.1\r\nHost: x\r\n" + headers.encode()
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def chunked(body: bytes, headers: str = "", sizes=(7, 1, 50)) -> bytes:
+    parts, rest = [], body
+    for n in sizes:
+        parts.append(b"%x;ext=1\r\n%s\r\n" % (len(rest[:n]), rest[:n]))
+        rest = rest[n:]
+    parts.append(b"%X\r\n%s\r\n" % (len(rest), rest) if rest else b"")
+    return (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            + headers.encode() + b"\r\n" + b"".join(parts) + b"0\r\nX-Trailer: y\r\n\r\n")
+
+
+def json_of(response: bytes):
+    return json.loads(response.partition(b"\r\n\r\n")[2])
+
+
+def test_chunked_body_scores_like_content_length(port):
+    body = json.dumps(OK).encode()
+    plain, chunk = exchange_keep_open(port, post(body) + chunked(body), 2)
+    assert plain.startswith(b"HTTP/1.1 200 ") and chunk.startswith(b"HTTP/1.1 200 ")
+    assert json_of(plain)["scores"] == json_of(chunk)["scores"]
+
+
+@pytest.mark.parametrize("data, status", [
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcdeXX0\r\n\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n10001\r\n", 413),
+    (b"POST /v1/score HTTP/1.1\r\nExpect: magic\r\nContent-Length: 2\r\n\r\n{}", 417)])
+def test_bad_transfer_codings_get_errors(port, data, status):
+    assert raw_exchange(port, data).startswith(b"HTTP/1.1 %d " % status)
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_expect_100_continue_is_answered_before_the_body(port):
+    body = json.dumps(OK).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/score HTTP/1.1\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_pipelined_requests_are_answered_in_order(port):
+    first = json.dumps({**OK, "items": ["a"]}).encode()
+    second = json.dumps({**OK, "items": ["b", "c", "d"]}).encode()
+    health = b"GET /health HTTP/1.1\r\n\r\n"
+    responses = exchange_keep_open(port, post(first) + health + post(second), 3)
+    assert [len(json_of(r).get("scores", [])) for r in responses] == [1, 0, 3]
+    assert json_of(responses[1]) == {"status": "ok"}
+
+
+def test_head_on_get_routes_sends_headers_only(port):
+    get, = exchange_keep_open(port, b"GET /health HTTP/1.1\r\n\r\n", 1)
+    head = raw_exchange(port, b"HEAD /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")  # no body
+    length = re.search(rb"Content-Length: (\d+)", get).group(1)
+    assert b"Content-Length: " + length in head  # the GET body's length
+    refused = raw_exchange(port, b"HEAD /v1/score HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 405 ") and b"Allow: POST\r\n" in refused
