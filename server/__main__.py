@@ -3,6 +3,7 @@
 Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path).
 """
 import asyncio
+import signal
 
 from absl import app, flags, logging
 
@@ -31,6 +32,8 @@ def define_flags() -> None:
     flags.DEFINE_bool("disable_prefix_cache", False, "recompute every query")
     flags.DEFINE_bool("skip_warmup", False, "compile shape buckets on first use, not at start")
     flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
+    flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
+                       "take to finish")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
                       "auto: the Pallas kernels on TPU, the planned XLA path elsewhere")
 
@@ -52,9 +55,14 @@ async def serve() -> None:
     port = listener.sockets[0].getsockname()[1]
     logging.info("serving %s on http://%s:%d", FLAGS.model_path or "SmolLM2-135M (embedded)",
                  FLAGS.host, port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        async with listener:
-            await listener.serve_forever()
+        await stop.wait()
+        logging.info("stopping: finishing requests in flight (up to %.0f s)", FLAGS.grace_s)
+        listener.close()
+        await server.shutdown(FLAGS.grace_s)
     finally:
         server.close()
         engine.close()

@@ -41,7 +41,10 @@ def parse_json(body: bytes):
 class ScoreServer:
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
         self.engine, self.config = engine, config
-        self._pending = 0
+        self._pending = 0       # score requests submitted and not answered
+        self._busy = 0          # requests being answered, of any route
+        self._closing = False
+        self._connections: set[asyncio.Task] = set()
         self._routes = {"/v1/score": ("POST", self._score), "/health": ("GET", self._health),
                         "/v1/models": ("GET", self._models),
                         "/get_model_info": ("GET", self._model_info),
@@ -55,13 +58,27 @@ class ScoreServer:
     def close(self) -> None:
         """The engine belongs to the caller, who closes it."""
 
+    async def shutdown(self, grace_s: float) -> None:
+        """After the listener is closed: lets requests in flight finish (up to `grace_s`),
+        then closes every connection."""
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._busy and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for task in self._connections:
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+
     async def handle_connection(self, reader, writer) -> None:
+        self._connections.add(asyncio.current_task())
         try:
             while await self._serve_one(reader, writer):
                 pass
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._connections.discard(asyncio.current_task())
             writer.close()
 
     async def _serve_one(self, reader, writer) -> bool:
@@ -73,15 +90,20 @@ class ScoreServer:
             return False
         if req is None:
             return False
-        gone = lambda: reader.at_eof() or writer.is_closing()  # noqa: E731
-        status, payload, headers = await self._dispatch(req, gone)
-        text = isinstance(payload, str)  # /metrics
-        writer.write(encode_response(
-            status, payload.encode() if text else payload, req.keep_alive, headers,
-            "text/plain; version=0.0.4" if text else "application/json",
-            head_only=req.method == "HEAD"))
-        await writer.drain()
-        return req.keep_alive
+        self._busy += 1
+        try:
+            gone = lambda: reader.at_eof() or writer.is_closing()  # noqa: E731
+            status, payload, headers = await self._dispatch(req, gone)
+            keep_alive = req.keep_alive and not self._closing
+            text = isinstance(payload, str)  # /metrics
+            writer.write(encode_response(
+                status, payload.encode() if text else payload, keep_alive, headers,
+                "text/plain; version=0.0.4" if text else "application/json",
+                head_only=req.method == "HEAD"))
+            await writer.drain()
+        finally:
+            self._busy -= 1
+        return keep_alive
 
     async def _dispatch(self, req: Request, gone: Callable[[], bool]):
         route = self._routes.get(req.path)

@@ -1,6 +1,7 @@
 """The HTTP contract of SPEC §2 over a real socket."""
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -219,8 +220,10 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
         assert call(port, "GET", "/health")[0] == 200
         status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})
         assert status == 200 and len(payload["scores"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0  # a graceful stop
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(30)
 
 
@@ -335,3 +338,35 @@ def test_head_on_get_routes_sends_headers_only(port):
     assert b"Content-Length: " + length in head  # the GET body's length
     refused = raw_exchange(port, b"HEAD /v1/score HTTP/1.1\r\nConnection: close\r\n\r\n")
     assert refused.startswith(b"HTTP/1.1 405 ") and b"Allow: POST\r\n" in refused
+
+
+def test_shutdown_finishes_the_requests_in_flight(model_dirs, monkeypatch):
+    import asyncio
+
+    from runtime.engine import Engine
+    from server.app import ScoreServer
+    from tests.assertions import assert_no_leaked_pages
+    from tests.conftest import small_config
+    from tests.gated_runner import GatedRunner
+    engine = Engine.from_path(model_dirs["llama"], small_config())
+    gate = GatedRunner(engine.runner, monkeypatch)
+    server = ScoreServer(engine)
+
+    async def scenario():
+        listener = await server.start("127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        reply = loop.run_in_executor(None, call, port, "POST", "/v1/score", OK)
+        assert await loop.run_in_executor(None, gate.entered.wait, 60)
+        listener.close()  # what SIGTERM does first
+        loop.call_later(0.3, gate.release.set)
+        await server.shutdown(grace_s=30)
+        status, payload, headers = await reply
+        assert status == 200 and len(payload["scores"]) == 2
+        assert headers["Connection"] == "close"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+
+    asyncio.run(scenario())
+    assert_no_leaked_pages(engine)
+    engine.close()
