@@ -111,8 +111,8 @@ class Scheduler:
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
         """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
-        size = self.buckets.page_size
-        reusable = min(min(seq.score_rows), causal_prefix_len(seq)) // size
+        size, shareable = self.buckets.page_size, causal_prefix_len(seq)
+        reusable = min(min(seq.score_rows), shareable) // size
         cached = self.prefix.match(seq.tokens, reusable) if self.prefix else []
         new = pages_needed(len(seq.tokens), size) - len(cached)
         if len(seq.tokens) - len(cached) * size > token_budget or not self._make_room(new):
@@ -120,7 +120,7 @@ class Scheduler:
             return None
         pages = cached + self.pool.allocate(new)
         if self.prefix:
-            self.prefix.insert(seq.tokens, pages[:causal_prefix_len(seq) // size])
+            self.prefix.insert(seq.tokens, pages[:shareable // size])
         return ScheduledSeq(seq, pages, len(cached) * size)
 
     def _make_room(self, pages: int) -> bool:
