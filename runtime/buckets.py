@@ -11,14 +11,6 @@ from kernels.attention_plan import BlockSizes, max_plan_size
 MIN_TOKENS = 16
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
-
-
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 

@@ -20,7 +20,6 @@ from kernels.ragged_paged_attention import (
 )
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
-from runtime.buckets import bucket
 from tests.attention_cases import random_batch
 from tests.tpu_lowering import tpu_export
 
@@ -37,7 +36,7 @@ def plan_for(md, sizes, extra=0):
 def run_both(q, k, v, md, sizes, interpret, layer=1):
     """`interpret`: TPU interpreter parameters for the Pallas kernel, or "xla"."""
     plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3))
-    kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=bucket(int(np.diff(md.cu_q_lens).max())))
+    kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()))
     if interpret == "xla":
         xla = jax.jit(ragged_paged_attention_xla,
                       static_argnames=("sm_scale", "max_q_len", "sizes"))
