@@ -64,7 +64,6 @@ async def serve() -> None:
         listener.close()
         await server.shutdown(FLAGS.grace_s)
     finally:
-        server.close()
         engine.close()
 
 

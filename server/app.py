@@ -55,9 +55,6 @@ class ScoreServer:
         return await asyncio.start_server(self.handle_connection, host, port,
                                           limit=self.config.head_limit)
 
-    def close(self) -> None:
-        """The engine belongs to the caller, who closes it."""
-
     async def shutdown(self, grace_s: float) -> None:
         """After the listener is closed: lets requests in flight finish (up to `grace_s`),
         then closes every connection."""

@@ -22,7 +22,6 @@ def serving(engine, config: ServerConfig = ServerConfig()):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
-        server.close()
 
 
 async def _shutdown(listener) -> None:
