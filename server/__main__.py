@@ -11,6 +11,7 @@ from model.decoder import ATTENTION_BACKENDS
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from server.app import ScoreServer, ServerConfig
+from server.http import Limits
 
 FLAGS = flags.FLAGS
 
@@ -31,7 +32,16 @@ def define_flags() -> None:
     flags.DEFINE_float("mem_fraction", 0.8, "share of accelerator memory for params and KV")
     flags.DEFINE_bool("disable_prefix_cache", False, "recompute every query")
     flags.DEFINE_bool("skip_warmup", False, "compile shape buckets on first use, not at start")
-    flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body accepted")
+    flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body (413 beyond)")
+    flags.DEFINE_integer("max_head_bytes", 64 << 10, "largest request line and headers "
+                         "(431 beyond)")
+    flags.DEFINE_float("header_timeout_s", 10.0, "time to send a request head (408 beyond)")
+    flags.DEFINE_float("body_timeout_s", 30.0, "time to send a request body (408 beyond)")
+    flags.DEFINE_float("send_timeout_s", 30.0, "time a client may take to read its response")
+    flags.DEFINE_float("idle_timeout_s", 75.0, "keep-alive connection idle time before closing")
+    flags.DEFINE_integer("max_connections", 1024, "open connections (503 beyond)")
+    flags.DEFINE_integer("max_pending", 256, "score requests queued or running (503 beyond)")
+    flags.DEFINE_bool("access_log", True, "log a line per request")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
                        "take to finish")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
@@ -47,10 +57,18 @@ def engine_config() -> EngineConfig:
         attention_backend=FLAGS.attention_backend)
 
 
+def server_config() -> ServerConfig:
+    limits = Limits(max_head_bytes=FLAGS.max_head_bytes, max_body_bytes=FLAGS.max_body_bytes,
+                    idle_timeout_s=FLAGS.idle_timeout_s, header_timeout_s=FLAGS.header_timeout_s,
+                    body_timeout_s=FLAGS.body_timeout_s, send_timeout_s=FLAGS.send_timeout_s)
+    return ServerConfig(model_name=FLAGS.model_path or "default", limits=limits,
+                        max_connections=FLAGS.max_connections, max_pending=FLAGS.max_pending,
+                        access_log=FLAGS.access_log)
+
+
 async def serve() -> None:
     engine = Engine.from_path(FLAGS.model_path, engine_config())
-    server = ScoreServer(engine, ServerConfig(model_name=FLAGS.model_path or "default",
-                                              max_body_bytes=FLAGS.max_body_bytes))
+    server = ScoreServer(engine, server_config())
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
     logging.info("serving %s on http://%s:%d", FLAGS.model_path or "SmolLM2-135M (embedded)",

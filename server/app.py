@@ -3,6 +3,7 @@ scheduler thread, which batches concurrent requests."""
 import asyncio
 import dataclasses
 import json
+import time
 from typing import Callable
 
 from absl import logging
@@ -10,17 +11,30 @@ from absl import logging
 from runtime.engine import Engine
 from runtime.errors import ScoreError
 from runtime.request import parse_score_request
-from server.http import HttpError, Request, encode_response, error_body, read_request
-from server.metrics import prometheus_text
+from server.http import HttpError, Limits, Request, encode_response, error_body, read_request, send
+from server.metrics import ServerMetrics, prometheus_text
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     model_name: str = "default"
-    max_body_bytes: int = 8 << 20
-    max_pending: int = 256    # requests queued or running before 503
-    head_limit: int = 64 << 10
-    gone_poll_s: float = 0.2  # how often a waiting request checks that its client is still there
+    limits: Limits = Limits()
+    max_connections: int = 1024  # open connections; beyond, each request gets a 503
+    max_pending: int = 256       # score requests queued or running; beyond, 503
+    retry_after_s: int = 1       # the Retry-After of a 503
+    gone_poll_s: float = 0.2     # how often a waiting request checks that its client is there
+    access_log: bool = True
+
+    def __post_init__(self):
+        if self.max_connections < 1 or self.max_pending < 0 or self.retry_after_s < 0:
+            raise ValueError(f"max_connections ({self.max_connections}) must be >= 1, "
+                             f"max_pending ({self.max_pending}) and retry_after_s "
+                             f"({self.retry_after_s}) >= 0")
+        if not self.gone_poll_s > 0:
+            raise ValueError(f"gone_poll_s must be positive, got {self.gone_poll_s}")
+
+
+CLIENT_GONE = 499  # nginx's status for a client that closed before its answer
 
 
 def _reject_constant(name: str):
@@ -41,6 +55,7 @@ def parse_json(body: bytes):
 class ScoreServer:
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
         self.engine, self.config = engine, config
+        self.metrics = ServerMetrics()
         self._pending = 0       # score requests submitted and not answered
         self._busy = 0          # requests being answered, of any route
         self._closing = False
@@ -53,7 +68,7 @@ class ScoreServer:
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         return await asyncio.start_server(self.handle_connection, host, port,
-                                          limit=self.config.head_limit)
+                                          limit=self.config.limits.max_head_bytes)
 
     async def shutdown(self, grace_s: float) -> None:
         """After the listener is closed: lets requests in flight finish (up to `grace_s`),
@@ -68,39 +83,71 @@ class ScoreServer:
         await asyncio.gather(*self._connections, return_exceptions=True)
 
     async def handle_connection(self, reader, writer) -> None:
-        self._connections.add(asyncio.current_task())
+        task = asyncio.current_task()
+        over_limit = len(self._connections) >= self.config.max_connections
+        self._connections.add(task)
         try:
-            while await self._serve_one(reader, writer):
+            while await self._serve_one(reader, writer, over_limit):
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except ConnectionError:
             pass
         finally:
-            self._connections.discard(asyncio.current_task())
+            self._connections.discard(task)
             writer.close()
 
-    async def _serve_one(self, reader, writer) -> bool:
+    async def _serve_one(self, reader, writer, over_limit: bool) -> bool:
+        """Reads and answers one request; False when the connection is to be closed."""
         try:
-            req = await read_request(reader, self.config.max_body_bytes, writer)
+            req = await read_request(reader, self.config.limits, writer)
         except HttpError as e:
-            writer.write(encode_response(e.status, error_body(e.message, e.status, e.type), False))
-            await writer.drain()
+            await self._respond(writer, None, time.perf_counter(), self._error(e), False)
             return False
         if req is None:
             return False
+        start = time.perf_counter()
         self._busy += 1
         try:
-            gone = lambda: reader.at_eof() or writer.is_closing()  # noqa: E731
-            status, payload, headers = await self._dispatch(req, gone)
-            keep_alive = req.keep_alive and not self._closing
-            text = isinstance(payload, str)  # /metrics
-            writer.write(encode_response(
-                status, payload.encode() if text else payload, keep_alive, headers,
-                "text/plain; version=0.0.4" if text else "application/json",
-                head_only=req.method == "HEAD"))
-            await writer.drain()
+            if over_limit:
+                answer = self._error(ScoreError("too many open connections, retry later", 503))
+            else:
+                answer = await self._dispatch(req, lambda: reader.at_eof() or writer.is_closing())
+            if answer[0] == CLIENT_GONE:
+                self._record(writer, req, start, CLIENT_GONE, 0)
+                return False
+            keep_alive = req.keep_alive and not self._closing and not over_limit
+            await self._respond(writer, req, start, answer, keep_alive)
         finally:
             self._busy -= 1
         return keep_alive
+
+    async def _respond(self, writer, req: Request | None, start: float, answer,
+                       keep_alive: bool) -> None:
+        status, payload, headers = answer
+        text = isinstance(payload, str)  # /metrics
+        data = encode_response(status, payload.encode() if text else payload, keep_alive,
+                               headers, "text/plain; version=0.0.4" if text else
+                               "application/json", head_only=req is not None and
+                               req.method == "HEAD")
+        items = len(payload.get("scores", ())) if isinstance(payload, dict) else 0
+        self._record(writer, req, start, status, items)
+        await send(writer, data, self.config.limits.send_timeout_s)
+
+    def _record(self, writer, req: Request | None, start: float, status: int,
+                items: int) -> None:
+        """The request's metrics and access log line."""
+        seconds = time.perf_counter() - start
+        route = req.path if req is not None and req.path in self._routes else "other"
+        self.metrics.observe(route, status, seconds, items)
+        if self.config.access_log:
+            method, path = (req.method, req.path) if req is not None else ("-", "-")
+            peer = writer.get_extra_info("peername")
+            logging.info("%s %s %s %d items=%d %.1fms", "%s:%s" % peer[:2] if peer else "-",
+                         method, path if path.isprintable() else ascii(path), status, items,
+                         seconds * 1e3)
+
+    def _error(self, e: ScoreError):
+        headers = [f"Retry-After: {self.config.retry_after_s}"] if e.status == 503 else []
+        return e.status, error_body(e.message, e.status, e.type), headers
 
     async def _dispatch(self, req: Request, gone: Callable[[], bool]):
         route = self._routes.get(req.path)
@@ -113,12 +160,12 @@ class ScoreServer:
                                        ScoreError.TYPES[405]), [f"Allow: {', '.join(allowed)}"]
             return 200, await route[1](req, gone), []
         except ScoreError as e:
-            return e.status, error_body(e.message, e.status, e.type), []
+            return self._error(e)
         except ConnectionError:
-            raise
+            return CLIENT_GONE, None, []
         except Exception as e:  # a bug: report it, keep serving
             logging.exception("error serving %s %s", req.method, req.path)
-            return 500, error_body(f"internal error: {e}", 500, ScoreError.TYPES[500]), []
+            return self._error(ScoreError(f"internal error: {e}", 500))
 
     async def _score(self, req: Request, gone) -> dict:
         score_req = parse_score_request(parse_json(req.body), not self.engine.cfg.is_classifier)
@@ -155,7 +202,9 @@ class ScoreServer:
         return {"flushed_pages": self.engine.scheduler.flush_prefix_cache()}
 
     async def _metrics(self, req: Request, gone) -> str:
-        return prometheus_text(self.engine)
+        return prometheus_text(self.engine, self.metrics, {
+            "jax_score_open_connections": len(self._connections),
+            "jax_score_pending_requests": self._pending})
 
     async def _models(self, req: Request, gone) -> dict:
         return {"object": "list", "data": [{

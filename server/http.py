@@ -31,6 +31,22 @@ class HttpError(ScoreError):
     """A protocol-level error: answered, then the connection is closed."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one connection may cost the server; a client past a limit is answered and cut off."""
+    max_head_bytes: int = 64 << 10   # request line and headers: 431 beyond
+    max_body_bytes: int = 8 << 20    # 413 beyond
+    idle_timeout_s: float = 75.0     # keep-alive wait for the next request, then close
+    header_timeout_s: float = 10.0   # first byte to the end of the head: 408 beyond
+    body_timeout_s: float = 30.0     # the whole body: 408 beyond
+    send_timeout_s: float = 30.0     # a response the client does not read: abort
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+
+
 def _parse_head(head: bytes) -> Request:
     try:
         lines = head.decode("latin-1").split("\r\n")
@@ -112,27 +128,65 @@ async def _continue(req: Request, writer) -> None:
         await writer.drain()
 
 
-async def read_request(reader: asyncio.StreamReader, max_body: int,
-                       writer=None) -> Request | None:
-    """The next request on the connection, or None when the client closed it. `writer`
-    answers `Expect: 100-continue`."""
+async def _within(seconds: float, what: str, awaitable):
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as e:
-        if e.partial.strip():
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    except TimeoutError:
+        raise HttpError(f"{what} not received within {seconds:g} s", status=408) from None
+
+
+async def _head(reader: asyncio.StreamReader, first: bytes) -> bytes:
+    """The request head after its first byte; empty lines before it are skipped (RFC 9112 2.2)."""
+    head = first
+    while True:
+        try:
+            head += await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
             raise HttpError("connection closed inside the request head") from None
-        return None
-    except asyncio.LimitOverrunError:
-        raise HttpError("request head too large", status=431) from None
-    req = _parse_head(head[:-4])
+        except asyncio.LimitOverrunError:
+            raise HttpError("request head too large", status=431) from None
+        if head := head.lstrip(b"\r\n"):
+            return head[:-4]
+
+
+async def _body(reader: asyncio.StreamReader, req: Request, max_body: int, writer) -> bytes:
     if _is_chunked(req):
         await _continue(req, writer)
-        req.body = await _chunked_body(reader, max_body)
-    else:
-        length = _content_length(req, max_body)
-        await _continue(req, writer)
-        req.body = await reader.readexactly(length)
+        return await _chunked_body(reader, max_body)
+    length = _content_length(req, max_body)
+    await _continue(req, writer)
+    return await reader.readexactly(length)
+
+
+async def read_request(reader: asyncio.StreamReader, limits: Limits,
+                       writer=None) -> Request | None:
+    """The next request on the connection, or None when the client closed it or stayed idle
+    past the keep-alive timeout. `writer` answers `Expect: 100-continue`."""
+    try:
+        async with asyncio.timeout(limits.idle_timeout_s):
+            first = await reader.readexactly(1)
+    except (asyncio.IncompleteReadError, TimeoutError):
+        return None
+    head = await _within(limits.header_timeout_s, "request head", _head(reader, first))
+    req = _parse_head(head)
+    try:
+        req.body = await _within(limits.body_timeout_s, "request body",
+                                 _body(reader, req, limits.max_body_bytes, writer))
+    except asyncio.IncompleteReadError:
+        raise HttpError("connection closed inside the request body") from None
     return req
+
+
+async def send(writer, data: bytes, timeout_s: float) -> None:
+    """Writes `data`; a client that does not read it within `timeout_s` is cut off."""
+    writer.write(data)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await writer.drain()
+    except TimeoutError:
+        writer.transport.abort()
+        raise ConnectionResetError("client did not read its response") from None
 
 
 def encode_response(status: int, payload, keep_alive: bool, extra_headers=(),

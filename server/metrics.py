@@ -1,6 +1,10 @@
-"""Prometheus text exposition of the runtime's counters and gauges."""
+"""Prometheus text exposition of the server's and the runtime's counters and gauges."""
+import bisect
+import collections
 
-_METRICS = [  # (name, type, help, value of an Engine)
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_ENGINE_METRICS = [  # (name, type, help, value of an Engine)
     ("jax_score_compilations_total", "counter", "programs compiled (warm-up included)",
      lambda e: e.runner.compile_count),
     ("jax_score_forwards_total", "counter", "forward passes run",
@@ -13,14 +17,59 @@ _METRICS = [  # (name, type, help, value of an Engine)
      lambda e: e.scheduler.stats.cached_tokens),
     ("jax_score_waiting_sequences", "gauge", "sequences queued for a forward",
      lambda e: e.scheduler.waiting),
-    ("jax_score_kv_pages_free", "gauge", "free KV pages", lambda e: e.scheduler.pool.free_count),
+    ("jax_score_kv_pages_used", "gauge", "KV pages held by sequences or the prefix cache",
+     lambda e: e.scheduler.pool.num_pages - e.scheduler.pool.free_count),
     ("jax_score_kv_pages_total", "gauge", "KV pages in the pool",
      lambda e: e.scheduler.pool.num_pages),
 ]
 
+_SERVER_GAUGES = {"jax_score_open_connections": "open client connections",
+                  "jax_score_pending_requests": "score requests queued or running"}
 
-def prometheus_text(engine) -> str:
-    lines = []
-    for name, kind, help_text, value in _METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value(engine)}"]
+
+class ServerMetrics:
+    """Request counters of one server, updated on its event loop."""
+
+    def __init__(self):
+        self.requests = collections.Counter()  # (route, status) -> answered requests
+        self.items_scored = 0
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)  # /v1/score, per bucket
+        self.latency_sum_s = 0.0
+
+    def observe(self, route: str, status: int, seconds: float, items: int) -> None:
+        self.requests[route, status] += 1
+        self.items_scored += items
+        if route == "/v1/score":
+            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+            self.latency_sum_s += seconds
+
+    def lines(self) -> list[str]:
+        name = "jax_score_http_requests_total"
+        out = [f"# HELP {name} answered requests by route and status", f"# TYPE {name} counter"]
+        out += [f'{name}{{route="{route}",status="{status}"}} {n}'
+                for (route, status), n in sorted(self.requests.items())]
+        out += _metric("jax_score_items_scored_total", "counter", "items scored",
+                       self.items_scored)
+        return out + self._histogram("jax_score_request_duration_seconds")
+
+    def _histogram(self, name: str) -> list[str]:
+        out = [f"# HELP {name} /v1/score latency, from the request read to its answer",
+               f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, n in zip((*LATENCY_BUCKETS_S, "+Inf"), self.latency_counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        return out + [f"{name}_sum {self.latency_sum_s}", f"{name}_count {cumulative}"]
+
+
+def _metric(name: str, kind: str, help_text: str, value) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
+def prometheus_text(engine, server: ServerMetrics, gauges: dict[str, int]) -> str:
+    lines = server.lines()
+    for name, value in gauges.items():
+        lines += _metric(name, "gauge", _SERVER_GAUGES[name], value)
+    for name, kind, help_text, value in _ENGINE_METRICS:
+        lines += _metric(name, kind, help_text, value(engine))
     return "\n".join(lines) + "\n"

@@ -1,0 +1,186 @@
+"""HTTP/1.1 framing over raw sockets: malformed input, chunked bodies, Expect, pipelining,
+HEAD, and the per-connection limits."""
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+from server.app import ServerConfig
+from server.http import Limits
+from tests.server_harness import (
+    OK,
+    call,
+    chunked,
+    exchange_keep_open,
+    json_of,
+    metric,
+    post,
+    raw_exchange,
+    recv_until_closed,
+    serving,
+    serving_server,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def port(engines):
+    with serving(engines["llama"], ServerConfig(limits=Limits(max_body_bytes=1 << 16))) as p:
+        yield p
+
+
+@pytest.mark.parametrize("data", [b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n",
+                                  b"POST /v1/score HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                                  b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n"])
+def test_malformed_http_gets_400_and_server_survives(port, data):
+    assert raw_exchange(port, data).startswith(b"HTTP/1.1 400 ")
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_chunked_body_scores_like_content_length(port):
+    body = json.dumps(OK).encode()
+    plain, chunk = exchange_keep_open(port, post(body) + chunked(body), 2)
+    assert plain.startswith(b"HTTP/1.1 200 ") and chunk.startswith(b"HTTP/1.1 200 ")
+    assert json_of(plain)["scores"] == json_of(chunk)["scores"]
+
+
+@pytest.mark.parametrize("data, status", [
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcdeXX0\r\n\r\n", 400),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n10001\r\n", 413),
+    (b"POST /v1/score HTTP/1.1\r\nExpect: magic\r\nContent-Length: 2\r\n\r\n{}", 417)])
+def test_bad_transfer_codings_get_errors(port, data, status):
+    assert raw_exchange(port, data).startswith(b"HTTP/1.1 %d " % status)
+    assert call(port, "GET", "/health")[0] == 200
+
+
+def test_expect_100_continue_is_answered_before_the_body(port):
+    body = json.dumps(OK).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/score HTTP/1.1\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_pipelined_requests_are_answered_in_order(port):
+    first = json.dumps({**OK, "items": ["a"]}).encode()
+    second = json.dumps({**OK, "items": ["b", "c", "d"]}).encode()
+    health = b"GET /health HTTP/1.1\r\n\r\n"
+    responses = exchange_keep_open(port, post(first) + health + post(second), 3)
+    assert [len(json_of(r).get("scores", [])) for r in responses] == [1, 0, 3]
+    assert json_of(responses[1]) == {"status": "ok"}
+
+
+def test_head_on_get_routes_sends_headers_only(port):
+    get, = exchange_keep_open(port, b"GET /health HTTP/1.1\r\n\r\n", 1)
+    head = raw_exchange(port, b"HEAD /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")  # no body
+    length = re.search(rb"Content-Length: (\d+)", get).group(1)
+    assert b"Content-Length: " + length in head  # the GET body's length
+    refused = raw_exchange(port, b"HEAD /v1/score HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 405 ") and b"Allow: POST\r\n" in refused
+
+
+TIGHT = Limits(header_timeout_s=0.5, body_timeout_s=0.5, idle_timeout_s=1.0, send_timeout_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def tight_server(engines):
+    with serving_server(engines["llama"], ServerConfig(limits=TIGHT, max_connections=4)) as s:
+        yield s
+
+
+def open_connections(port) -> int:
+    return int(metric(port, "jax_score_open_connections")) - 1  # less the one asking
+
+
+def trickle(port, burst: bytes, slow: bytes, pause_s: float) -> tuple[bytes, float]:
+    """Sends `burst`, then `slow` a byte at a time; (what the server answered, when it closed)."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            s.sendall(burst)
+            for byte in slow:
+                s.sendall(bytes([byte]))
+                time.sleep(pause_s)
+        except ConnectionError:
+            pass
+        answer = recv_until_closed(s)
+    return answer, time.monotonic() - start
+
+
+@pytest.mark.parametrize("burst, slow, what", [
+    (b"GET /health HTTP/1.1\r\n", b"Host: x\r\nX-Slow: " + b"y" * 100, b"request head"),
+    (b"POST /v1/score HTTP/1.1\r\nContent-Length: 200\r\n\r\n", b"{" + b" " * 100,
+     b"request body"),
+    (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"1\r\n \r\n" * 20,
+     b"request body")])
+def test_slow_clients_are_cut_off_with_408_while_others_are_served(tight_server, burst, slow,
+                                                                   what):
+    _, port = tight_server
+    result = {}
+    slow_client = threading.Thread(
+        target=lambda: result.update(answer=trickle(port, burst, slow, 0.02)))
+    slow_client.start()
+    served = [call(port, "GET", "/health")[0] for _ in range(5)]
+    slow_client.join(30)
+    answer, seconds = result["answer"]
+    assert served == [200] * 5
+    assert answer.startswith(b"HTTP/1.1 408 ") and what in answer, answer[:200]
+    assert b"Connection: close" in answer
+    assert seconds < len(slow) * 0.02  # cut off before it finished sending
+
+
+def test_idle_keep_alive_connections_are_closed_quietly(tight_server):
+    _, port = tight_server
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        start = time.monotonic()
+        assert recv_until_closed(s) == b""  # never sent a byte: no answer, just closed
+        assert 0.9 < time.monotonic() - start < 5
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+        answer = recv_until_closed(s)  # answered, kept alive, then closed when idle
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"Connection: keep-alive" in answer
+    assert wait_for(lambda: open_connections(port) == 0)
+
+
+def test_connections_beyond_the_limit_get_503_with_retry_after(tight_server):
+    _, port = tight_server
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+    try:
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        refused = raw_exchange(port, b"GET /health HTTP/1.1\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1\r\n" in refused
+        assert b"Connection: close" in refused and b"too many open connections" in refused
+    finally:
+        for s in held:
+            s.close()
+    assert wait_for(lambda: call(port, "GET", "/health")[0] == 200)
+
+
+def test_a_client_that_does_not_read_its_responses_is_cut_off(tight_server):
+    _, port = tight_server
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.settimeout(0.2)
+    request = b"GET /get_model_info HTTP/1.1\r\n\r\n"
+    try:
+        for _ in range(200000):  # pipelined, never read, until the server stops reading
+            s.sendall(request)
+    except (TimeoutError, ConnectionError):
+        pass
+    try:
+        assert wait_for(lambda: open_connections(port) == 0)
+        assert call(port, "GET", "/health")[0] == 200
+    finally:
+        s.close()
