@@ -11,7 +11,16 @@ from absl import logging
 from runtime.engine import Engine
 from runtime.errors import ScoreError
 from runtime.request import parse_score_request
-from server.http import HttpError, Limits, Request, encode_response, error_body, read_request, send
+from server.http import (
+    HttpError,
+    Limits,
+    Request,
+    encode_response,
+    error_body,
+    linger,
+    read_request,
+    send,
+)
 from server.metrics import ServerMetrics, prometheus_text
 
 
@@ -89,6 +98,7 @@ class ScoreServer:
         try:
             while await self._serve_one(reader, writer, over_limit):
                 pass
+            await linger(reader, writer)
         except ConnectionError:
             pass
         finally:

@@ -2,6 +2,7 @@
 import asyncio
 import dataclasses
 import json
+import re
 
 from runtime.errors import ScoreError
 
@@ -47,24 +48,29 @@ class Limits:
                 raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
 
 
+TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.6.2
+REQUEST_LINE = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+) (/[!-~]*) (HTTP/\d\.\d)")
+
+
 def _parse_head(head: bytes) -> Request:
-    try:
-        lines = head.decode("latin-1").split("\r\n")
-        method, target, version = lines[0].split(" ")
-    except ValueError:
-        raise HttpError("malformed request line") from None
-    if not version.startswith("HTTP/1."):
+    lines = head.decode("latin-1").split("\r\n")
+    match = REQUEST_LINE.fullmatch(lines[0])
+    if match is None:
+        raise HttpError(f"malformed request line {lines[0][:80]!r}")
+    method, target, version = match.groups()
+    if version not in ("HTTP/1.0", "HTTP/1.1"):
         raise HttpError(f"unsupported HTTP version {version!r}")
     headers = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
+        if not sep or not TOKEN.fullmatch(name):
             raise HttpError(f"malformed header line {line[:80]!r}")
-        headers[name.lower()] = value.strip()
+        headers[name.lower()] = value.strip(" \t")
     return Request(method, target.split("?", 1)[0], version, headers)
 
 
 MAX_TRAILERS = 32
+LINGER_S = 2.0  # like nginx's lingering close, shorter: only to let an answer reach the client
 
 
 def _content_length(req: Request, max_body: int) -> int:
@@ -82,6 +88,8 @@ def _is_chunked(req: Request) -> bool:
         return False
     if "content-length" in req.headers:
         raise HttpError("both Transfer-Encoding and Content-Length: send one")
+    if not TOKEN.fullmatch(coding):
+        raise HttpError(f"malformed Transfer-Encoding {coding[:40]!r}")
     if coding.lower() != "chunked":
         raise HttpError(f"Transfer-Encoding {coding[:40]!r} is not supported; send chunked or "
                         "Content-Length", status=501)
@@ -176,6 +184,20 @@ async def read_request(reader: asyncio.StreamReader, limits: Limits,
     except asyncio.IncompleteReadError:
         raise HttpError("connection closed inside the request body") from None
     return req
+
+
+async def linger(reader: asyncio.StreamReader, writer, seconds: float = LINGER_S) -> None:
+    """Half-closes, then discards what the client still sends for up to `seconds`: a client
+    still sending (say, a refused body) then reads its answer instead of a connection reset."""
+    if reader.at_eof():
+        return
+    writer.write_eof()
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(1 << 16):
+                pass
+    except TimeoutError:
+        pass
 
 
 async def send(writer, data: bytes, timeout_s: float) -> None:
