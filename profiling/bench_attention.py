@@ -22,6 +22,7 @@ from model.decoder import ATTENTION_BACKENDS, kernel_impl
 from profiling.timing import op_time, wall_time, write_json
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import ShapeBuckets, pages_needed
+from runtime.cli_flags import parse_flags
 from runtime.packing import causal_sequence, multi_item_sequence
 
 V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
@@ -125,4 +126,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -23,6 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from profiling.timing import write_json
+from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.request import ScoreRequest
@@ -121,4 +122,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

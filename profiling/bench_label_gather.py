@@ -13,6 +13,7 @@ from absl import app, flags
 
 from kernels.label_gather import final_norm_label_gather_reference
 from profiling.timing import wall_time, write_json
+from runtime.cli_flags import parse_flags
 
 V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
 FLAGS = flags.FLAGS
@@ -95,4 +96,4 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

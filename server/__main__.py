@@ -1,6 +1,6 @@
 """python -m server --model-path PATH --host H --port P --dtype D
 
-Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path).
+Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path); --help lists them.
 """
 import asyncio
 import signal
@@ -8,6 +8,7 @@ import signal
 from absl import app, flags, logging
 
 from model.decoder import ATTENTION_BACKENDS
+from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from server.app import ScoreServer, ServerConfig
@@ -83,17 +84,6 @@ async def serve() -> None:
         await server.shutdown(FLAGS.grace_s)
     finally:
         engine.close()
-
-
-def _underscored(arg: str) -> str:
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg[2:].partition("=")
-    return "--" + name.replace("-", "_") + eq + value
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    return FLAGS([argv[0]] + [_underscored(a) for a in argv[1:]])
 
 
 def main(argv) -> None:

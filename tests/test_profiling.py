@@ -66,3 +66,37 @@ def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
     assert seconds is not None and 0 < seconds < 10
     assert list(tmp_path.rglob("*.xplane.pb"))  # a trace TensorBoard can open
     assert op_time(fn, (x,), "no_such_kernel", repeats=1) is None
+
+
+def test_bench_score_drives_a_server_and_reports_latency(engines):
+    import asyncio
+
+    from profiling.bench_score import run
+    from tests.server_harness import metric, serving
+    with serving(engines["llama"]) as port:
+        before = int(metric(port, "jax_score_items_scored_total"))
+        result = asyncio.run(run(f"http://127.0.0.1:{port}", qps=20, duration=1.5, num_items=3,
+                                 query_tokens=10, item_tokens=2, num_labels=2, concurrency=4,
+                                 distinct_queries=2))
+        scored = int(metric(port, "jax_score_items_scored_total")) - before
+    assert result["requests"] > 10 and result["ok"] == result["requests"]
+    assert result["errors"] == 0 and scored == 3 * result["ok"]
+    lat = result["latency_s"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert result["items_per_s"] == pytest.approx(3 * result["req_per_s"])
+
+
+def test_bench_score_cli_counts_errors_and_writes_json(engines, tmp_path):
+    from server.app import ServerConfig
+    from tests.server_harness import serving
+    out = tmp_path / "score.json"
+    with serving(engines["llama"], ServerConfig(max_pending=0)) as port:  # every score is a 503
+        subprocess.run([sys.executable, "-m", "profiling.bench_score", "--url",
+                        f"http://127.0.0.1:{port}", "--qps", "20", "--duration", "0.5",
+                        "--num-items", "2", "--query-tokens", "4", "--item-tokens", "1",
+                        "--num-labels", "1", "--out", str(out)],
+                       check=True, capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["ok"] == 0 and result["errors"] == result["requests"] > 0
+    assert result["error_statuses"] == {"503": result["requests"]}
+    assert result["latency_s"]["p50"] is None
