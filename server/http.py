@@ -3,6 +3,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import urllib.parse
 
 from runtime.errors import ScoreError
 
@@ -49,7 +50,8 @@ class Limits:
 
 
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.6.2
-REQUEST_LINE = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+) (/[!-~]*) (HTTP/\d\.\d)")
+# origin-form or absolute-form targets (RFC 9112 3.2)
+REQUEST_LINE = re.compile(rf"({TOKEN.pattern}) (/[!-~]*|https?://[!-~]+) (HTTP/\d\.\d)")
 
 
 def _parse_head(head: bytes) -> Request:
@@ -60,13 +62,21 @@ def _parse_head(head: bytes) -> Request:
     method, target, version = match.groups()
     if version not in ("HTTP/1.0", "HTTP/1.1"):
         raise HttpError(f"unsupported HTTP version {version!r}")
+    return Request(method, urllib.parse.urlsplit(target).path or "/", version,
+                   _parse_headers(lines[1:]))
+
+
+def _parse_headers(lines: list[str]) -> dict[str, str]:
+    """Lower-cased names; a repeated header's values are joined with commas (RFC 9110 5.3), so
+    that two Content-Lengths or Transfer-Encodings are refused rather than one picked."""
     headers = {}
-    for line in lines[1:]:
+    for line in lines:
         name, sep, value = line.partition(":")
         if not sep or not TOKEN.fullmatch(name):
             raise HttpError(f"malformed header line {line[:80]!r}")
-        headers[name.lower()] = value.strip(" \t")
-    return Request(method, target.split("?", 1)[0], version, headers)
+        name, value = name.lower(), value.strip(" \t")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
 MAX_TRAILERS = 32

@@ -33,7 +33,12 @@ def port(engines):
         yield p
 
 
-@pytest.mark.parametrize("data", [b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n",
+@pytest.mark.parametrize("data", [
+    b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"  HTTP/1.1\r\n\r\n",
+    b"GET health HTTP/1.1\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n",
+    b"POST /v1/score HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked"
+    b"\r\n\r\n0\r\n\r\n",
                                   b"POST /v1/score HTTP/1.1\r\nContent-Length: x\r\n\r\n",
                                   b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n"])
 def test_malformed_http_gets_400_and_server_survives(port, data):
@@ -191,3 +196,9 @@ def test_a_refused_body_still_being_sent_gets_its_413(port):
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         assert recv_until_closed(s).startswith(b"HTTP/1.1 413 ")  # not a connection reset
+
+
+def test_absolute_form_targets_and_query_strings_route_by_path(port):
+    for target in (b"http://localhost/health", b"/health?verbose=1", b"http://h:1/health?x"):
+        answer = raw_exchange(port, b"GET %s HTTP/1.1\r\nConnection: close\r\n\r\n" % target)
+        assert answer.startswith(b"HTTP/1.1 200 ") and json_of(answer) == {"status": "ok"}
