@@ -202,3 +202,13 @@ def test_absolute_form_targets_and_query_strings_route_by_path(port):
     for target in (b"http://localhost/health", b"/health?verbose=1", b"http://h:1/health?x"):
         answer = raw_exchange(port, b"GET %s HTTP/1.1\r\nConnection: close\r\n\r\n" % target)
         assert answer.startswith(b"HTTP/1.1 200 ") and json_of(answer) == {"status": "ok"}
+
+
+def test_a_request_head_over_the_limit_gets_431(engines):
+    with serving(engines["llama"], ServerConfig(limits=Limits(max_head_bytes=1024))) as p:
+        big = b"GET /health HTTP/1.1\r\nX-Big: " + b"y" * 2000 + b"\r\n\r\n"
+        answer = raw_exchange(p, big)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"request head too large" in answer
+        fits = b"GET /health HTTP/1.1\r\nX-Big: " + b"y" * 900 + b"\r\n\r\n"
+        assert raw_exchange(p, fits + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n"
+                            ).startswith(b"HTTP/1.1 200 ")
