@@ -106,7 +106,9 @@ def test_64_keep_alive_clients_at_once(engines):
         try:
             for r, body in enumerate(client_requests(i)):
                 status, payload, _ = call(port, "POST", "/v1/score", body, conn=conn)
-                answers[i, r] = payload if status == 200 else errors.append((status, payload))
+                answers[i, r] = payload
+                if status != 200:
+                    errors.append((status, payload))
         except Exception as e:  # noqa: BLE001 - any failure is reported by the assert below
             errors.append(repr(e))
         finally:
