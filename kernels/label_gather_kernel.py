@@ -75,6 +75,25 @@ def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_re
         lse_ref[...] = (m_ref[...] + jnp.log(s_ref[...]))[:, :1]
 
 
+def label_rows_cost(rows: int, labels: int, hidden: int, itemsize: int) -> pl.CostEstimate:
+    """Labels only: each row's hidden state and its label rows of the head, read once."""
+    return pl.CostEstimate(flops=2 * rows * labels * hidden, transcendentals=rows,
+                           bytes_accessed=(rows * labels + rows) * hidden * itemsize
+                           + rows * labels * 4)
+
+
+def streamed_cost(rows: int, labels: int, vocab: int, hidden: int, row_block: int,
+                  itemsize: int) -> pl.CostEstimate:
+    """Logsumexp: the whole head streamed once per block of `row_block` rows."""
+    return pl.CostEstimate(flops=2 * rows * vocab * hidden, transcendentals=rows * vocab,
+                           bytes_accessed=pl.cdiv(rows, row_block) * vocab * hidden * itemsize
+                           + rows * hidden * itemsize + rows * (labels + 1) * 4)
+
+
+def streamed_row_block(rows: int, max_stream_rows: int = 256) -> int:
+    return min(-(-rows // 8) * 8, max_stream_rows)
+
+
 def _label_rows(hidden, norm, head, labels, row_block, interpret, **kw):
     r, h = hidden.shape
     k = labels.shape[1]
@@ -90,8 +109,7 @@ def _label_rows(hidden, norm, head, labels, row_block, interpret, **kw):
             scratch_shapes=[pltpu.VMEM((row_block * k, h), head.dtype),
                             pltpu.SemaphoreType.DMA((1,))]),
         out_shape=jax.ShapeDtypeStruct((r, k), jnp.float32),
-        cost_estimate=pl.CostEstimate(flops=2 * r * k * h, transcendentals=0,
-                                      bytes_accessed=(r * k + r) * h * head.dtype.itemsize),
+        cost_estimate=label_rows_cost(r, k, h, head.dtype.itemsize),
         interpret=interpret,
     )(labels.reshape(-1), hidden, norm.reshape(1, h), head)
 
@@ -114,9 +132,7 @@ def _streamed(hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw
                         pltpu.VMEM((row_block, _LANES), jnp.float32),
                         pltpu.VMEM((row_block, k), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * r * v * h, transcendentals=r * v,
-            bytes_accessed=pl.cdiv(r, row_block) * v * h * head.dtype.itemsize),
+        cost_estimate=streamed_cost(r, k, v, h, row_block, head.dtype.itemsize),
         interpret=interpret,
     )(hidden, norm.reshape(1, h), head, labels)
 
@@ -130,7 +146,7 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
     The streamed mode reads the head once per block of up to `max_stream_rows` rows."""
     check_shapes(hidden, norm_weight, head, label_ids)
     r = hidden.shape[0]
-    row_block = min(-(-r // 8) * 8, max_stream_rows) if with_logsumexp else 8
+    row_block = streamed_row_block(r, max_stream_rows) if with_logsumexp else 8
     pad = -r % row_block
     hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
     labels = jnp.pad(label_ids.astype(jnp.int32), ((0, pad), (0, 0)))

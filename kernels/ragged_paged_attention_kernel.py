@@ -104,10 +104,11 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
             o_ref[0] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
 
 
-def _cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
-          itemsize: int) -> pl.CostEstimate:
-    """Work of the planned grid: skipped KV blocks cost nothing. The plan is runtime data, so
-    `steps` is the size it is padded to, an upper bound; the grid runs only the real steps."""
+def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
+                   itemsize: int) -> pl.CostEstimate:
+    """Work of `steps` grid steps over `q_blocks` q blocks of `rows` rows (q_block x group) per
+    KV head: skipped KV blocks cost nothing. In the kernel the plan is runtime data, so `steps`
+    there is the size it is padded to, an upper bound; the grid runs only the real steps."""
     kv_bytes = 2 * steps * hkv * kv_block * d * itemsize
     q_out_bytes = 2 * q_blocks * hkv * rows * d * itemsize
     return pl.CostEstimate(flops=4 * steps * hkv * rows * kv_block * d,
@@ -159,8 +160,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",
         out_shape=jax.ShapeDtypeStruct((n_blocks, hkv, rows, d), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        cost_estimate=_cost(plan.step_block.shape[0], n_blocks, rows, hkv, d, sizes.kv_block,
-                            k_pages.dtype.itemsize),
+        cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, rows, hkv, d,
+                                     sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_kv,
       plan.step_flags, plan.block_seq, pages.reshape(-1), md.kv_lens, md.prefix_lens,

@@ -70,11 +70,15 @@ def _layer(cfg: ModelConfig, kernels: Kernels, batch: ForwardBatch, cos, sin,
            carry, xs):
     x, cache = carry
     lp, layer = xs
-    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
-    k_pages, v_pages = kernels.write(cache.k, cache.v, layer, k, v, batch.kv_slots)
-    attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)
+    with jax.named_scope("qkv"):
+        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
+    with jax.named_scope("kv_write"):
+        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, k, v, batch.kv_slots)
+    with jax.named_scope("attention"):
+        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)
     x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"))
-    x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    with jax.named_scope("mlp"):
+        x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     return (x, KVCache(k_pages, v_pages)), None
 
 
@@ -83,7 +87,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     """Final hidden states [T, H] (before the final norm) and the updated cache."""
     x = params["embed"][batch.tokens]
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
-    body = functools.partial(_layer, cfg, kernels, batch, cos, sin)
+    body = jax.named_scope("layer")(functools.partial(_layer, cfg, kernels, batch, cos, sin))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
     return x, cache
@@ -121,9 +125,10 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
     kernels = kernel_impl(cfg, max_q_len, backend, sizes, batch.num_rows)
     x, cache = hidden_states(params, cfg, cache, batch, kernels)
-    label_logits, lse = kernels.gather(
-        x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
-        eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
+    with jax.named_scope("label_gather"):
+        label_logits, lse = kernels.gather(
+            x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
+            eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
     return label_logits, lse, cache
 
 

@@ -1,11 +1,14 @@
-"""Ragged paged attention over prefill and multi-item shapes: work after block skipping,
-v6e roofline, and measured time on whatever backend runs it.
+"""Ragged paged attention over prefill and multi-item shapes: work after block skipping
+(the kernel's own cost estimate at the plan's real steps), the v6e roofline, and measured time
+on whatever backend runs it.
 
-python -m profiling.bench_attention [--backend auto|reference|pallas] [--out results.json]
-Heads default to Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128), bfloat16, one layer.
-Timing: with the Pallas kernel, its device time from a jax.profiler trace; otherwise wall clock
-of the jitted call after block_until_ready, median of repeats, after a warm-up. On CPU the
-backend is the XLA reference path, which computes every masked pair.
+python -m profiling.bench_attention [--backend auto|xla|reference|pallas] [--shapes ...]
+    [--q-block N --kv-block N] [--repeats 3] [--trace-dir D] [--out attention.json]
+Heads default to Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128), bfloat16, one layer,
+inputs from seed 0. Timing: with the Pallas kernel, its device time from a jax.profiler trace;
+otherwise wall clock of the jitted call after block_until_ready, median of repeats, after a
+warm-up call. `xla` is the planned loop the server runs off TPU; `reference` computes every
+masked pair.
 """
 import dataclasses
 import functools
@@ -16,16 +19,17 @@ import numpy as np
 from absl import app, flags
 
 from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
+from kernels.ragged_paged_attention_kernel import attention_cost
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS, kernel_impl
-from profiling.timing import op_time, wall_time, write_json
+from profiling.roofline import roofline
+from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.cli_flags import parse_flags
 from runtime.packing import causal_sequence, multi_item_sequence
 
-V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
 SHAPES = {"mis_120q_10x18": (120, [18] * 10), "mis_120q_64x18": (120, [18] * 64),
           "mis_120q_256x18": (120, [18] * 256), "causal_4096": (4096, None)}
 
@@ -39,6 +43,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 3, "timed calls per shape")
     flags.DEFINE_integer("q_block", 0, "query tokens per block; 0: the TPU kind's table entry")
     flags.DEFINE_integer("kv_block", 0, "KV positions per block; 0: the TPU kind's table entry")
+    flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per shape here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -61,20 +66,20 @@ def make_batch(prefix: int, items: list[int] | None, heads: Heads, sizes: BlockS
     return batch, shape.tokens, n_pages
 
 
-def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int) -> dict:
+def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):
+    """(KV blocks visited, a dense causal kernel's count, the kernel's cost at the real steps)."""
     plan = batch.attention.plan
     visited = visited_kv_blocks(plan)
     last_pos = plan.row_pos.max(axis=1)
     dense = int(sum(p // sizes.kv_block + 1 for p in last_pos if p >= 0))
-    flops = 4 * visited * heads.q * sizes.q_block * sizes.kv_block * heads.dim
     q_blocks = int((last_pos >= 0).sum())
-    hbm = (2 * visited * heads.kv * sizes.kv_block * heads.dim
-           + 2 * q_blocks * heads.q * sizes.q_block * heads.dim) * itemsize
-    return {"kv_blocks_visited": visited, "kv_blocks_dense_causal": dense, "flops": flops,
-            "hbm_bytes": hbm, "v6e_roofline_s": max(flops / V6E_FLOPS, hbm / V6E_HBM)}
+    rows = sizes.q_block * heads.q // heads.kv
+    return visited, dense, attention_cost(visited, q_blocks, rows, heads.kv, heads.dim,
+                                          sizes.kv_block, itemsize)
 
 
-def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int):
+def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int,
+            trace_dir: str | None = None):
     cfg = ModelConfig("qwen3", 1, heads.q * heads.dim, 1, 1, heads.q, heads.kv, heads.dim,
                       1e6, 1e-6, 1 << 20)
     attend = kernel_impl(cfg, max_q_len, backend, sizes).attend
@@ -86,12 +91,13 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     fn = jax.jit(functools.partial(attend, layer=0))
     md = jax.tree.map(jnp.asarray, batch.attention)
     if backend == "pallas":  # device time of the kernel itself, from a profiler trace
-        return op_time(lambda *a: fn(*a, md=md), (q, kv, kv), "ragged_paged_attention", repeats)
-    return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats)
+        return op_time(lambda *a: fn(*a, md=md), (q, kv, kv), "ragged_paged_attention", repeats,
+                       trace_dir)
+    return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats, trace_dir)
 
 
 def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
-        q_block: int = 0, kv_block: int = 0) -> dict:
+        q_block: int = 0, kv_block: int = 0, trace_dir: str | None = None) -> dict:
     if backend == "auto":
         backend = "pallas" if jax.default_backend() == "tpu" else "xla"
     device = jax.devices()[0].device_kind
@@ -100,11 +106,12 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
     rows = {}
     for name in shapes:
         batch, max_q_len, n_pages = make_batch(*SHAPES[name], heads, sizes)
-        row = work(batch, heads, sizes, itemsize=2)
-        row["measured_s"] = measure(batch, max_q_len, n_pages, heads, sizes, backend, repeats)
-        rows[name] = row
-    timing = ("profiler trace: device time of ragged_paged_attention, mean" if backend == "pallas"
-              else "wall clock after block_until_ready, median")
+        visited, dense, cost = work(batch, heads, sizes, itemsize=2)
+        seconds = measure(batch, max_q_len, n_pages, heads, sizes, backend, repeats,
+                          subdir(trace_dir, name))
+        rows[name] = {"kv_blocks_visited": visited, "kv_blocks_dense_causal": dense,
+                      **roofline(cost.flops, cost.bytes_accessed, seconds)}
+    timing = TRACE_DEVICE_TIME if backend == "pallas" else WALL_CLOCK
     return {"backend": backend, "device": device, "heads": dataclasses.asdict(heads),
             "block_sizes": dataclasses.asdict(sizes), "dtype": "bfloat16", "timing": timing,
             "shapes": rows}
@@ -113,14 +120,14 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
 def main(argv) -> None:
     del argv
     result = run(FLAGS.shapes, FLAGS.backend, FLAGS.repeats, q_block=FLAGS.q_block,
-                 kv_block=FLAGS.kv_block)
-    print(f"backend={result['backend']} device={result['device']} blocks={result['block_sizes']}")
-    print(f"{'shape':18s} {'visited':>8s} {'dense':>6s} {'GFLOP':>8s} {'HBM MB':>7s} "
-          f"{'v6e us':>7s} {'measured ms':>11s}")
+                 kv_block=FLAGS.kv_block, trace_dir=FLAGS.trace_dir)
+    print(f"backend={result['backend']} device={result['device']} blocks={result['block_sizes']} "
+          f"timing: {result['timing']}")
     for name, r in result["shapes"].items():
-        print(f"{name:18s} {r['kv_blocks_visited']:8d} {r['kv_blocks_dense_causal']:6d} "
-              f"{r['flops'] / 1e9:8.2f} {r['hbm_bytes'] / 1e6:7.2f} "
-              f"{r['v6e_roofline_s'] * 1e6:7.1f} {r['measured_s'] * 1e3:11.1f}")
+        print(f"{name:18s} KV blocks {r['kv_blocks_visited']}/{r['kv_blocks_dense_causal']} "
+              f"{r['flops'] / 1e9:.2f} GFLOP {r['hbm_bytes'] / 1e6:.2f} MB; v6e bound "
+              f"{r['v6e_roofline_s'] * 1e6:.1f} us; measured {r['measured_s'] * 1e3:.1f} ms "
+              f"({r['v6e_fraction']:.2e} of the v6e bound)")
     write_json(result, FLAGS.out)
 
 

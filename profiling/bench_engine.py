@@ -1,8 +1,8 @@
-"""Offline scoring throughput and latency of the engine (issue 5's table).
+"""Offline scoring throughput and latency of the engine, without HTTP.
 
 python -m profiling.bench_engine [--model-path P] [--query-tokens 120 --item-tokens 18
     --num-items 10 --num-labels 2 --requests 16 --distinct-queries 4 --repeats 3
-    --compare-hf --out results.json]
+    --compare-hf --trace-dir D --out results.json]
 
 Workload: `requests` requests of `num_items` items each; their queries cycle through
 `distinct_queries` different queries (a shelf scored over several requests). Modes:
@@ -11,7 +11,8 @@ multi-item or one prompt per item, with the prefix cache on or off; with --compa
 batched per request, logits_to_keep=1, float32, on as many threads as JAX.
 - items/s: every request submitted at once, items over wall time until the last result.
 - latency: one request alone, median of `repeats`.
-The prefix cache is flushed before every timed run; compilation happens in an untimed run.
+Token ids from seed 0. The prefix cache is flushed before every timed run; compilation happens
+in an untimed run.
 """
 import os
 import platform
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from profiling.timing import write_json
+from profiling.timing import subdir, tracing, write_json
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
@@ -43,6 +44,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 3, "timed runs per mode")
     flags.DEFINE_integer("max_prefill_tokens", 2048, "the engine's batch budget")
     flags.DEFINE_bool("compare_hf", False, "also time HuggingFace transformers (CPU, float32)")
+    flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace of each mode here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -70,24 +72,28 @@ def _wall(engine: Engine, reqs: list[ScoreRequest]) -> float:
 
 
 def time_mode(engine: Engine, reqs: list[ScoreRequest], first: list[ScoreRequest],
-              items: int, repeats: int) -> dict:
-    """`first`: the requests making up the first request of `reqs` (for the latency)."""
+              items: int, repeats: int, trace_dir: str | None = None) -> dict:
+    """`first`: the requests making up the first request of `reqs` (for the latency);
+    `trace_dir`: where the throughput runs are traced."""
     _wall(engine, reqs)  # compiles the shapes this mode uses
-    total = statistics.median(_wall(engine, reqs) for _ in range(repeats))
+    with tracing(trace_dir):
+        total = statistics.median([_wall(engine, reqs) for _ in range(repeats)])
     latency = statistics.median(_wall(engine, first) for _ in range(repeats))
     return {"items_per_s": items / total, "latency_s": latency}
 
 
 def run(engines: dict[bool, Engine], reqs: list[ScoreRequest], repeats: int,
-        hf=None) -> dict:
+        hf=None, trace_dir: str | None = None) -> dict:
     """`engines`: prefix cache on (True) and off (False); `hf`: an HfScorer or None."""
     items = sum(len(r.items) for r in reqs)
     rows = {}
     for prefix, engine in engines.items():
         tag = "prefix_on" if prefix else "prefix_off"
-        rows[f"multi_item/{tag}"] = time_mode(engine, reqs, reqs[:1], items, repeats)
+        rows[f"multi_item/{tag}"] = time_mode(engine, reqs, reqs[:1], items, repeats,
+                                              subdir(trace_dir, f"multi_item_{tag}"))
         rows[f"prompt_per_item/{tag}"] = time_mode(
-            engine, per_item(reqs), per_item(reqs[:1]), items, repeats)
+            engine, per_item(reqs), per_item(reqs[:1]), items, repeats,
+            subdir(trace_dir, f"prompt_per_item_{tag}"))
     if hf is not None:
         rows["hf_transformers/prompt_per_item"] = hf.time(reqs, repeats)
         ours = np.array(engines[True].score_request(reqs[0]).scores)
@@ -98,7 +104,8 @@ def run(engines: dict[bool, Engine], reqs: list[ScoreRequest], repeats: int,
                           num_items=len(first.items), num_labels=len(first.label_token_ids),
                           requests=len(reqs)),
             "backend": jax.default_backend(), "cpu": platform.processor() or platform.machine(),
-            "threads": os.cpu_count(), "timing": "wall clock, median of repeats", "modes": rows}
+            "threads": os.cpu_count(), "timing": "wall clock, median of repeats", "modes": rows,
+            "traced": trace_dir}
 
 
 def main(argv) -> None:
@@ -112,7 +119,7 @@ def main(argv) -> None:
     if FLAGS.compare_hf:
         from profiling.hf_baseline import HfScorer
         hf = HfScorer.from_path(FLAGS.model_path)
-    result = run(engines, reqs, FLAGS.repeats, hf)
+    result = run(engines, reqs, FLAGS.repeats, hf, FLAGS.trace_dir)
     for name, row in result["modes"].items():
         print(f"{name:34s} {row['items_per_s']:8.1f} items/s {row['latency_s'] * 1e3:9.1f} ms")
     write_json(result, FLAGS.out)

@@ -1,49 +1,54 @@
-"""Final norm + label gather: bytes moved and v6e roofline of both kernel modes against a
-full-logits baseline, at Qwen3-0.6B shapes, plus measured time of the XLA paths here.
+"""Final norm + label gather over vocab sizes and modes: the kernels' own cost estimates, the
+v6e roofline, and measured time, against a full-logits baseline.
 
-python -m profiling.bench_label_gather [--rows 1,8,64,256] [--out results.json]
-Baseline: what a server that builds logits does: read the head, write [R, V] float32
-logits, read them back for the log-softmax and the gather.
-Timing: wall clock after block_until_ready, median of repeats, after a warm-up.
+python -m profiling.bench_label_gather [--vocabs 49152,151936,262144] [--rows 1,8,64,256]
+    [--hidden 1024] [--labels 2] [--repeats 3] [--trace-dir D] [--out label_gather.json]
+Modes: labels only (apply_softmax=true: only the label rows of the head are read) and streamed
+logsumexp (apply_softmax=false: the head streamed once per block of rows, no logits written).
+Baseline: what a server that builds logits does: read the head, write [R, V] float32 logits,
+read them back for the log-softmax and the gather. bfloat16, inputs from seed 0.
+Timing: on TPU the Pallas kernels' device time in a profiler trace (the baseline by wall
+clock); elsewhere wall clock after block_until_ready of the path the server runs there (the
+row-blocked XLA loop), median of repeats after a warm-up call.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from kernels.label_gather import final_norm_label_gather_reference
-from profiling.timing import wall_time, write_json
+from kernels.label_gather import final_norm_label_gather_xla
+from kernels.label_gather_kernel import (
+    final_norm_label_gather,
+    label_rows_cost,
+    streamed_cost,
+    streamed_row_block,
+)
+from profiling.roofline import roofline
+from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
 from runtime.cli_flags import parse_flags
 
-V6E_FLOPS, V6E_HBM = 918e12, 1.64e12
 FLAGS = flags.FLAGS
+MODES = ("labels_only", "streamed_logsumexp", "full_logits_baseline")
 
 
 def define_flags() -> None:
+    flags.DEFINE_list("vocabs", ["49152", "151936", "262144"], "vocabulary sizes")
     flags.DEFINE_list("rows", ["1", "8", "64", "256"], "scored rows per call")
-    flags.DEFINE_integer("vocab", 151936, "vocabulary size")
     flags.DEFINE_integer("hidden", 1024, "hidden size")
     flags.DEFINE_integer("labels", 2, "label ids per row")
-    flags.DEFINE_integer("repeats", 3, "timed calls per row count")
+    flags.DEFINE_integer("repeats", 3, "timed calls per case")
+    flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per case here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def model_bytes(rows: int, vocab: int, hidden: int, labels: int, itemsize: int = 2) -> dict:
-    hidden_in = rows * hidden * itemsize
-    stream_passes = -(-rows // 256)
-    return {
-        "labels_only": hidden_in + rows * labels * hidden * itemsize + rows * labels * 4,
-        "streamed_logsumexp": hidden_in + stream_passes * vocab * hidden * itemsize
-                              + rows * (labels + 1) * 4,
-        "full_logits_baseline": hidden_in + vocab * hidden * itemsize + 2 * rows * vocab * 4,
-    }
-
-
-def roofline(rows: int, vocab: int, hidden: int, labels: int, n_bytes: dict) -> dict:
-    flops = {"labels_only": 2 * rows * labels * hidden,
-             "streamed_logsumexp": 2 * rows * vocab * hidden,
-             "full_logits_baseline": 2 * rows * vocab * hidden}
-    return {mode: max(flops[mode] / V6E_FLOPS, n_bytes[mode] / V6E_HBM) for mode in n_bytes}
+def work(rows: int, vocab: int, hidden: int, labels: int, itemsize: int = 2) -> dict:
+    """(FLOPs, HBM bytes) per mode: the kernels' cost estimates, and the baseline's."""
+    lab = label_rows_cost(rows, labels, hidden, itemsize)
+    st = streamed_cost(rows, labels, vocab, hidden, streamed_row_block(rows), itemsize)
+    base_bytes = rows * hidden * itemsize + vocab * hidden * itemsize + 2 * rows * vocab * 4
+    return {"labels_only": (lab.flops, lab.bytes_accessed),
+            "streamed_logsumexp": (st.flops, st.bytes_accessed),
+            "full_logits_baseline": (2 * rows * vocab * hidden, base_bytes)}
 
 
 def full_logits_baseline(hidden, norm, head, labels, eps):
@@ -52,45 +57,66 @@ def full_logits_baseline(hidden, norm, head, labels, eps):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels, axis=1)
 
 
-def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int) -> dict:
+def _paths(rows: int) -> dict:
+    """The code each mode runs on this backend."""
+    if jax.default_backend() == "tpu":
+        gather = final_norm_label_gather
+    else:
+        gather = lambda *a, **kw: final_norm_label_gather_xla(*a, num_rows=rows, **kw)  # noqa: E731
+    return {"labels_only": lambda *a: gather(*a, eps=1e-6, with_logsumexp=False)[0],
+            "streamed_logsumexp": lambda *a: gather(*a, eps=1e-6, with_logsumexp=True),
+            "full_logits_baseline": lambda *a: full_logits_baseline(*a, eps=1e-6)}
+
+
+KERNEL_NAMES = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
+
+
+def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
+            trace_dir: str | None) -> dict:
     rng = np.random.default_rng(0)
     args = (jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16),
             jnp.ones(hidden, jnp.bfloat16),
             jnp.asarray(rng.standard_normal((vocab, hidden)), jnp.bfloat16),
             jnp.asarray(rng.integers(0, vocab, (rows, labels)), jnp.int32))
-    paths = {
-        "labels_only": lambda *a: final_norm_label_gather_reference(
-            *a, eps=1e-6, with_logsumexp=False)[0],
-        "streamed_logsumexp": lambda *a: final_norm_label_gather_reference(
-            *a, eps=1e-6, with_logsumexp=True),
-        "full_logits_baseline": lambda *a: full_logits_baseline(*a, eps=1e-6),
-    }
-    return {mode: wall_time(jax.jit(fn), args, repeats) for mode, fn in paths.items()}
+    times = {}
+    for mode, fn in _paths(rows).items():
+        out = subdir(trace_dir, mode)
+        if jax.default_backend() == "tpu" and mode in KERNEL_NAMES:
+            times[mode] = op_time(jax.jit(fn), args, KERNEL_NAMES[mode], repeats, out)
+        else:
+            times[mode] = wall_time(jax.jit(fn), args, repeats, out)
+    return times
 
 
-def run(rows_list: list[int], vocab: int, hidden: int, labels: int, repeats: int) -> dict:
-    table = {}
-    for rows in rows_list:
-        n_bytes = model_bytes(rows, vocab, hidden, labels)
-        table[rows] = {"hbm_bytes": n_bytes,
-                       "v6e_roofline_s": roofline(rows, vocab, hidden, labels, n_bytes),
-                       "measured_s": measure(rows, vocab, hidden, labels, repeats)}
-    return {"vocab": vocab, "hidden": hidden, "labels": labels, "dtype": "bfloat16",
-            "measured_backend": f"{jax.default_backend()} XLA paths (kernels run on TPU only)",
-            "timing": "wall clock after block_until_ready, median", "rows": table}
+def run(vocabs: list[int], rows_list: list[int], hidden: int, labels: int, repeats: int,
+        trace_dir: str | None = None) -> dict:
+    cases = []
+    for vocab in vocabs:
+        for rows in rows_list:
+            seconds = measure(rows, vocab, hidden, labels, repeats,
+                              subdir(trace_dir, f"V{vocab}_R{rows}"))
+            cases.append({"vocab": vocab, "rows": rows, "modes": {
+                mode: roofline(*cost, seconds[mode])
+                for mode, cost in work(rows, vocab, hidden, labels).items()}})
+    tpu = jax.default_backend() == "tpu"
+    return {"hidden": hidden, "labels": labels, "dtype": "bfloat16",
+            "device": jax.devices()[0].device_kind,
+            "measured": "Pallas kernels" if tpu else "XLA paths (the kernels need a TPU)",
+            "timing": f"kernels: {TRACE_DEVICE_TIME}; baseline: {WALL_CLOCK}" if tpu
+            else WALL_CLOCK, "cases": cases}
 
 
 def main(argv) -> None:
     del argv
-    result = run([int(r) for r in FLAGS.rows], FLAGS.vocab, FLAGS.hidden, FLAGS.labels,
-                 FLAGS.repeats)
-    print(f"V={result['vocab']} H={result['hidden']} K={result['labels']}; "
-          f"measured: {result['measured_backend']}")
-    for rows, r in result["rows"].items():
-        for mode in r["hbm_bytes"]:
-            print(f"R={rows:4d} {mode:22s} {r['hbm_bytes'][mode] / 1e6:10.3f} MB "
-                  f"{r['v6e_roofline_s'][mode] * 1e6:9.2f} us(v6e) "
-                  f"{r['measured_s'][mode] * 1e3:9.2f} ms(measured)")
+    result = run([int(v) for v in FLAGS.vocabs], [int(r) for r in FLAGS.rows], FLAGS.hidden,
+                 FLAGS.labels, FLAGS.repeats, FLAGS.trace_dir)
+    print(f"H={result['hidden']} K={result['labels']} on {result['device']}: "
+          f"{result['measured']}; timing: {result['timing']}")
+    for case in result["cases"]:
+        for mode, r in case["modes"].items():
+            print(f"V={case['vocab']:6d} R={case['rows']:4d} {mode:20s} "
+                  f"{r['hbm_bytes'] / 1e6:9.3f} MB {r['v6e_roofline_s'] * 1e6:8.2f} us(v6e) "
+                  f"{r['measured_s'] * 1e3:9.2f} ms(measured)")
     write_json(result, FLAGS.out)
 
 

@@ -2,13 +2,15 @@
 
 python -m profiling.bench_score --url http://127.0.0.1:30000 --qps 4 --duration 30
     --num-items 10 --query-tokens 120 --item-tokens 18 --num-labels 2
-    [--concurrency 0] [--distinct-queries 0] [--seed 0] [--out bench_score.json]
+    [--concurrency 0] [--distinct-queries 0] [--seed 0] [--profile] [--out bench_score.json]
 
 Requests arrive as a Poisson process at `qps` for `duration` seconds. Each is token ids drawn
 from the server's vocabulary (GET /get_model_info); `distinct_queries` > 0 makes queries repeat
 (a shelf scored over several requests, which the prefix cache serves). `concurrency` > 0 caps
 the requests in flight; a request over the cap waits, and its wait counts in its latency.
 Timing: wall clock on the client, from a request's arrival time to the end of its answer.
+--profile has the server trace the run (POST /start_profile, /stop_profile) into its own
+--trace-dir; the result names that directory.
 """
 import asyncio
 import collections
@@ -37,6 +39,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("concurrency", 0, "most requests in flight; 0: no cap")
     flags.DEFINE_integer("distinct_queries", 0, "different queries; 0: each request its own")
     flags.DEFINE_integer("seed", 0, "seed of arrivals and tokens")
+    flags.DEFINE_bool("profile", False, "have the server write a jax.profiler trace of the run")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -64,7 +67,7 @@ def summary(latencies: list[float], statuses: list[int], num_items: int,
 
 async def run(url: str, qps: float, duration: float, num_items: int, query_tokens: int,
               item_tokens: int, num_labels: int, concurrency: int = 0,
-              distinct_queries: int = 0, seed: int = 0) -> dict:
+              distinct_queries: int = 0, seed: int = 0, profile: bool = False) -> dict:
     if qps <= 0 or duration <= 0 or min(num_items, query_tokens, num_labels) < 1:
         raise ValueError("qps, duration, num_items, query_tokens and num_labels must be positive")
     pool = ConnectionPool(url)
@@ -74,6 +77,7 @@ async def run(url: str, qps: float, duration: float, num_items: int, query_token
     reqs = workload(info["vocab_size"], query_tokens, item_tokens, num_items, num_labels,
                     len(arrivals), distinct_queries or len(arrivals) or 1, seed)
     gate = asyncio.Semaphore(concurrency) if concurrency > 0 else None
+    trace_dir = (await pool.post_json("/start_profile"))["trace_dir"] if profile else None
     start = time.perf_counter()
 
     async def one(arrival: float, req) -> tuple[float, int]:
@@ -88,6 +92,8 @@ async def run(url: str, qps: float, duration: float, num_items: int, query_token
 
     results = await asyncio.gather(*(one(a, r) for a, r in zip(arrivals, reqs)))
     elapsed = time.perf_counter() - start
+    if profile:
+        await pool.post_json("/stop_profile")
     pool.close()
     latencies, statuses = zip(*results) if results else ((), ())
     return {"shape": dict(qps=qps, duration_s=duration, num_items=num_items,
@@ -96,7 +102,7 @@ async def run(url: str, qps: float, duration: float, num_items: int, query_token
                           distinct_queries=distinct_queries, seed=seed),
             "server": {k: info.get(k) for k in ("model_path", "dtype", "attention_backend")},
             "client_cpu": platform.processor() or platform.machine(),
-            "timing": "client wall clock, arrival to answer",
+            "timing": "client wall clock, arrival to answer", "server_trace_dir": trace_dir,
             **summary(list(latencies), list(statuses), num_items, elapsed)}
 
 
@@ -104,7 +110,8 @@ def main(argv) -> None:
     del argv
     result = asyncio.run(run(FLAGS.url, FLAGS.qps, FLAGS.duration, FLAGS.num_items,
                              FLAGS.query_tokens, FLAGS.item_tokens, FLAGS.num_labels,
-                             FLAGS.concurrency, FLAGS.distinct_queries, FLAGS.seed))
+                             FLAGS.concurrency, FLAGS.distinct_queries, FLAGS.seed,
+                             FLAGS.profile))
     lat = {k: f"{v * 1e3:.0f}" if v is not None else "-" for k, v in result["latency_s"].items()}
     print(f"{result['ok']}/{result['requests']} ok, {result['errors']} errors; "
           f"{result['req_per_s']:.2f} req/s, {result['items_per_s']:.1f} items/s; latency ms "

@@ -42,9 +42,15 @@ class ConnectionPool:
         return answer
 
     async def get_json(self, path: str) -> dict:
-        answer = await self.request("GET", path)
+        return self._json("GET", path, await self.request("GET", path))
+
+    async def post_json(self, path: str, payload=None) -> dict:
+        return self._json("POST", path, await self.request("POST", path, payload))
+
+    @staticmethod
+    def _json(method: str, path: str, answer: Answer) -> dict:
         if answer.status != 200:
-            raise RuntimeError(f"GET {path} answered {answer.status}: {answer.body[:200]!r}")
+            raise RuntimeError(f"{method} {path} answered {answer.status}: {answer.body[:200]!r}")
         return json.loads(answer.body)
 
     def close(self) -> None:

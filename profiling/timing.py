@@ -1,4 +1,5 @@
 """How the studies time things: wall clock, or device time of named ops in a profiler trace."""
+import contextlib
 import glob
 import gzip
 import json
@@ -9,16 +10,31 @@ import time
 
 import jax
 
+WALL_CLOCK = "wall clock after block_until_ready, median"
+TRACE_DEVICE_TIME = "device time of the named kernel in a jax.profiler trace, mean"
 
-def wall_time(fn, args=(), repeats: int = 3) -> float:
-    """Median seconds per call after block_until_ready, after one warm-up call (compiles)."""
+
+def wall_time(fn, args=(), repeats: int = 3, trace_dir: str | None = None) -> float:
+    """Median seconds per call after block_until_ready, after one warm-up call (compiles).
+    With `trace_dir`, the timed calls are traced there."""
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+    with tracing(trace_dir):
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def tracing(trace_dir: str | None):
+    """A jax.profiler trace into `trace_dir` (for TensorBoard), or nothing when None."""
+    return jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext()
+
+
+def subdir(root: str | None, name: str) -> str | None:
+    """One study's measurement as its own TensorBoard run under `root`."""
+    return os.path.join(root, name) if root else None
 
 
 def write_json(result: dict, path: str | None) -> None:

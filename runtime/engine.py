@@ -2,6 +2,8 @@
 the scheduler, which batches them with other requests' units on the device."""
 import concurrent.futures
 
+import jax
+
 from model.config import ModelConfig
 from model.loader import DTYPES, load_model
 from model.tokenizer import TextTokenizer
@@ -49,7 +51,8 @@ class Engine:
         """Queues the request; its future gives a ScoreResult, or raises ScoreError.
         Cancelling the future drops its waiting work. Bad requests raise here."""
         labels = self._labels(req)
-        query, items = self._tokenize(req)
+        with jax.profiler.TraceAnnotation("tokenize"):
+            query, items = self._tokenize(req)
         job = Job(labels, len(items), req.apply_softmax, self.cfg.is_classifier)
         if not items:
             job.future.set_result(ScoreResult([], 0))

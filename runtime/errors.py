@@ -2,7 +2,7 @@ class ScoreError(Exception):
     """An error to report to the client, with its HTTP status."""
 
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-             408: "RequestTimeout", 413: "RequestEntityTooLarge",
+             408: "RequestTimeout", 409: "Conflict", 413: "RequestEntityTooLarge",
              500: "InternalServerError", 503: "ServiceUnavailable"}
 
     def __init__(self, message: str, status: int = 400):

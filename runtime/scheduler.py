@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import threading
 
+import jax
 from absl import logging
 
 from runtime.batch_builder import ScheduledSeq, build_batch
@@ -80,7 +81,8 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     break
-                batch = self._form_batch()
+                with jax.profiler.TraceAnnotation("form_batch"):
+                    batch = self._form_batch()
             if batch:
                 self._run(batch)
         for unit in self._waiting:
@@ -136,9 +138,11 @@ class Scheduler:
         try:
             shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
                                        len(entries))
-            forward = build_batch(entries, labels, shape, self.buckets.page_size,
-                                  self.runner.num_slots, self.runner.sizes)
-            logits, lse = self.runner.run(forward, shape, with_lse)
+            with jax.profiler.TraceAnnotation("build_batch"):
+                forward = build_batch(entries, labels, shape, self.buckets.page_size,
+                                      self.runner.num_slots, self.runner.sizes)
+            with jax.profiler.TraceAnnotation("forward"):
+                logits, lse = self.runner.run(forward, shape, with_lse)
         except Exception as e:  # this batch fails; the runtime goes on
             logging.exception("forward of %d sequences failed", len(entries))
             self._fail(batch, e)

@@ -43,6 +43,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_connections", 1024, "open connections (503 beyond)")
     flags.DEFINE_integer("max_pending", 256, "score requests queued or running (503 beyond)")
     flags.DEFINE_bool("access_log", True, "log a line per request")
+    flags.DEFINE_string("trace_dir", None, "where POST /start_profile writes jax.profiler "
+                        "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
                        "take to finish")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
@@ -64,7 +66,7 @@ def server_config() -> ServerConfig:
                     body_timeout_s=FLAGS.body_timeout_s, send_timeout_s=FLAGS.send_timeout_s)
     return ServerConfig(model_name=FLAGS.model_path or "default", limits=limits,
                         max_connections=FLAGS.max_connections, max_pending=FLAGS.max_pending,
-                        access_log=FLAGS.access_log)
+                        access_log=FLAGS.access_log, trace_dir=FLAGS.trace_dir)
 
 
 async def serve() -> None:

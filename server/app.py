@@ -6,6 +6,7 @@ import json
 import time
 from typing import Callable
 
+import jax
 from absl import logging
 
 from runtime.engine import Engine
@@ -22,6 +23,7 @@ from server.http import (
     send,
 )
 from server.metrics import ServerMetrics, prometheus_text
+from server.profiler import Profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ServerConfig:
     retry_after_s: int = 1       # the Retry-After of a 503
     gone_poll_s: float = 0.2     # how often a waiting request checks that its client is there
     access_log: bool = True
+    trace_dir: str | None = None  # where POST /start_profile writes; None: a new temporary dir
 
     def __post_init__(self):
         if self.max_connections < 1 or self.max_pending < 0 or self.retry_after_s < 0:
@@ -65,6 +68,7 @@ class ScoreServer:
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
         self.engine, self.config = engine, config
         self.metrics = ServerMetrics()
+        self.profiler = Profiler(config.trace_dir)
         self._pending = 0       # score requests submitted and not answered
         self._busy = 0          # requests being answered, of any route
         self._closing = False
@@ -73,7 +77,9 @@ class ScoreServer:
                         "/v1/models": ("GET", self._models),
                         "/get_model_info": ("GET", self._model_info),
                         "/metrics": ("GET", self._metrics),
-                        "/flush_cache": ("POST", self._flush_cache)}
+                        "/flush_cache": ("POST", self._flush_cache),
+                        "/start_profile": ("POST", self._start_profile),
+                        "/stop_profile": ("POST", self._stop_profile)}
 
     async def start(self, host: str, port: int) -> asyncio.Server:
         return await asyncio.start_server(self.handle_connection, host, port,
@@ -120,7 +126,9 @@ class ScoreServer:
             if over_limit:
                 answer = self._error(ScoreError("too many open connections, retry later", 503))
             else:
-                answer = await self._dispatch(req, lambda: reader.at_eof() or writer.is_closing())
+                with jax.profiler.TraceAnnotation("http_request"):
+                    answer = await self._dispatch(
+                        req, lambda: reader.at_eof() or writer.is_closing())
             if answer[0] == CLIENT_GONE:
                 self._record(writer, req, start, CLIENT_GONE, 0)
                 return False
@@ -178,7 +186,9 @@ class ScoreServer:
             return self._error(ScoreError(f"internal error: {e}", 500))
 
     async def _score(self, req: Request, gone) -> dict:
-        score_req = parse_score_request(parse_json(req.body), not self.engine.cfg.is_classifier)
+        with jax.profiler.TraceAnnotation("parse_request"):
+            score_req = parse_score_request(parse_json(req.body),
+                                            not self.engine.cfg.is_classifier)
         if self._pending >= self.config.max_pending:
             raise ScoreError("server is saturated, retry later", status=503)
         self._pending += 1
@@ -210,6 +220,14 @@ class ScoreServer:
 
     async def _flush_cache(self, req: Request, gone) -> dict:
         return {"flushed_pages": self.engine.scheduler.flush_prefix_cache()}
+
+    async def _start_profile(self, req: Request, gone) -> dict:
+        loop = asyncio.get_running_loop()
+        return {"trace_dir": await loop.run_in_executor(None, self.profiler.start)}
+
+    async def _stop_profile(self, req: Request, gone) -> dict:
+        loop = asyncio.get_running_loop()
+        return {"trace_dir": await loop.run_in_executor(None, self.profiler.stop)}
 
     async def _metrics(self, req: Request, gone) -> str:
         return prometheus_text(self.engine, self.metrics, {

@@ -8,8 +8,8 @@ import urllib.parse
 from runtime.errors import ScoreError
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 413: "Payload Too Large", 417: "Expectation Failed",
-           431: "Request Header Fields Too Large",
+           408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
+           417: "Expectation Failed", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable"}
 
 

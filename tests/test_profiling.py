@@ -43,16 +43,26 @@ def test_bench_attention_reports_work_and_time(backend):
     assert small["flops"] == 4 * small["kv_blocks_visited"] * 2 * 64 * 64 * 64
     for row in (small, large):
         assert row["measured_s"] > 0 and row["v6e_roofline_s"] > 0
+        assert row["v6e_fraction"] == pytest.approx(row["v6e_roofline_s"] / row["measured_s"])
 
 
-def test_bench_label_gather_reports_bytes_roofline_and_time():
-    from profiling.bench_label_gather import run
-    result = run([1, 16], vocab=3000, hidden=64, labels=2, repeats=1)
-    for rows, row in result["rows"].items():
-        b = row["hbm_bytes"]
+def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
+    from profiling.bench_label_gather import MODES, run
+    result = run([3000, 5000], [1, 16], hidden=64, labels=2, repeats=1,
+                 trace_dir=str(tmp_path))
+    assert [(c["vocab"], c["rows"]) for c in result["cases"]] == [
+        (3000, 1), (3000, 16), (5000, 1), (5000, 16)]
+    for case in result["cases"]:
+        rows, vocab, modes = case["rows"], case["vocab"], case["modes"]
+        assert set(modes) == set(MODES)
+        b = {mode: row["hbm_bytes"] for mode, row in modes.items()}
         assert b["labels_only"] < b["streamed_logsumexp"] < b["full_logits_baseline"]
-        assert b["full_logits_baseline"] - b["streamed_logsumexp"] >= 2 * rows * 3000 * 4 - 4 * rows * 3
-        assert all(t > 0 for t in row["measured_s"].values())
+        assert b["full_logits_baseline"] - b["streamed_logsumexp"] >= 2 * rows * vocab * 4 - 4 * (
+            rows * 3)
+        assert modes["labels_only"]["flops"] == 2 * rows * 2 * 64
+        for row in modes.values():
+            assert row["measured_s"] > 0 and 0 < row["v6e_fraction"] < 1
+    assert len(list(tmp_path.rglob("*.xplane.pb"))) == 4 * len(MODES)  # a trace per measurement
 
 
 def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
@@ -68,22 +78,24 @@ def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
     assert op_time(fn, (x,), "no_such_kernel", repeats=1) is None
 
 
-def test_bench_score_drives_a_server_and_reports_latency(engines):
+def test_bench_score_drives_a_server_and_reports_latency(engines, tmp_path):
     import asyncio
 
     from profiling.bench_score import run
+    from server.app import ServerConfig
     from tests.server_harness import metric, serving
-    with serving(engines["llama"]) as port:
+    with serving(engines["llama"], ServerConfig(trace_dir=str(tmp_path))) as port:
         before = int(metric(port, "jax_score_items_scored_total"))
         result = asyncio.run(run(f"http://127.0.0.1:{port}", qps=20, duration=1.5, num_items=3,
                                  query_tokens=10, item_tokens=2, num_labels=2, concurrency=4,
-                                 distinct_queries=2))
+                                 distinct_queries=2, profile=True))
         scored = int(metric(port, "jax_score_items_scored_total")) - before
     assert result["requests"] > 10 and result["ok"] == result["requests"]
     assert result["errors"] == 0 and scored == 3 * result["ok"]
     lat = result["latency_s"]
     assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert result["items_per_s"] == pytest.approx(3 * result["req_per_s"])
+    assert result["server_trace_dir"] == str(tmp_path) and list(tmp_path.rglob("*.xplane.pb"))
 
 
 def test_bench_score_cli_counts_errors_and_writes_json(engines, tmp_path):
@@ -100,3 +112,59 @@ def test_bench_score_cli_counts_errors_and_writes_json(engines, tmp_path):
     assert result["ok"] == 0 and result["errors"] == result["requests"] > 0
     assert result["error_statuses"] == {"503": result["requests"]}
     assert result["latency_s"]["p50"] is None
+
+
+def test_bench_forward_cli_times_every_bucket_and_traces(model_dirs, tmp_path):
+    out, traces = tmp_path / "forward.json", tmp_path / "traces"
+    subprocess.run([sys.executable, "-m", "profiling.bench_forward", "--model-path",
+                    model_dirs["llama"], "--max-prefill-tokens", "64", "--repeats", "1",
+                    "--trace-dir", str(traces), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    rows = result["buckets"]
+    assert [r["bucket"] for r in rows] == [16, 24, 32, 48, 64]
+    assert all(1 < r["tokens"] <= r["bucket"] and r["rows"] >= 1 for r in rows)
+    assert all(r["measured_s"] > 0 and r["v6e_roofline_s"] > 0 for r in rows)
+    assert rows[-1]["flops"] > rows[0]["flops"]
+    assert sorted(p.parent.parent.parent.parent.name for p in traces.rglob("*.xplane.pb")) == [
+        f"bucket_{b}" for b in sorted(["16", "24", "32", "48", "64"])]
+
+
+def test_bench_engine_traces_each_mode(model_dirs, engines, tmp_path):
+    from runtime.engine import Engine
+    from tests.conftest import small_config
+    uncached = Engine.from_path(model_dirs["llama"], small_config(prefix_cache=False))
+    reqs = workload(320, query_tokens=6, item_tokens=2, num_items=2, num_labels=1, requests=2,
+                    distinct_queries=1)
+    result = run({True: engines["llama"], False: uncached}, reqs, repeats=1,
+                 trace_dir=str(tmp_path))
+    uncached.close()
+    assert result["traced"] == str(tmp_path)
+    runs = {p.parent.parent.parent.parent.name for p in tmp_path.rglob("*.xplane.pb")}
+    assert runs == {f"{m}_prefix_{p}" for m in ("multi_item", "prompt_per_item")
+                    for p in ("on", "off")}
+
+
+def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp_path):
+    import gzip
+
+    from runtime.engine import Engine
+    from server.app import ServerConfig
+    from tests.conftest import small_config
+    from tests.server_harness import OK, call, serving
+    engine = Engine.from_path(model_dirs["llama"], small_config())
+    with serving(engine, ServerConfig(trace_dir=str(tmp_path))) as p:
+        assert call(p, "POST", "/stop_profile")[0] == 409  # none running
+        assert call(p, "POST", "/start_profile")[:2] == (200, {"trace_dir": str(tmp_path)})
+        assert call(p, "POST", "/start_profile")[0] == 409  # one at a time
+        assert call(p, "POST", "/v1/score", OK)[0] == 200
+        assert call(p, "POST", "/stop_profile")[:2] == (200, {"trace_dir": str(tmp_path)})
+    engine.close()
+    trace, = tmp_path.rglob("*.trace.json.gz")
+    names = {e.get("name") for e in json.load(gzip.open(trace))["traceEvents"]}
+    assert {"http_request", "parse_request", "tokenize", "form_batch", "build_batch",
+            "forward"} <= names  # host-side spans
+    xplane = next(tmp_path.rglob("*.xplane.pb")).read_bytes()
+    for scope in (b"layer/qkv", b"layer/kv_write", b"layer/attention", b"layer/mlp",
+                  b"label_gather"):
+        assert scope in xplane  # named scopes of the compiled forward

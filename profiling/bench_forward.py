@@ -1,0 +1,141 @@
+"""The whole scoring forward, one per token bucket: measured time, the work it does, and the
+v6e roofline of that work.
+
+python -m profiling.bench_forward [--model-path P] [--dtype float32] [--max-prefill-tokens 2048]
+    [--buckets 16,256,2048] [--with-logsumexp] [--repeats 3] [--trace-dir D] [--out fwd.json]
+Each bucket's batch is filled with SGLang-shaped sequences (a 120-token query, 10 items of 18
+tokens, 2 labels; the last sequence shorter) within the engine's sequence and row budgets, token
+ids from seed 0. The prefix cache is not involved: every token is computed.
+Work: per layer, the projections and MLP of the real tokens, the attention kernel's cost
+estimate at the plan's real steps, and the K/V written; then the label gather's cost estimate.
+HBM bytes count every weight once. Timing: wall clock of ModelRunner.run (host to scores) after
+a warm-up call, median of repeats, on whatever backend JAX picks.
+"""
+import jax
+import numpy as np
+from absl import app, flags
+
+from kernels.attention_plan import visited_kv_blocks
+from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
+from kernels.ragged_paged_attention_kernel import attention_cost
+from model.config import ModelConfig
+from profiling.roofline import roofline
+from profiling.timing import WALL_CLOCK, subdir, wall_time, write_json
+from runtime.batch_builder import ScheduledSeq, build_batch
+from runtime.buckets import pages_needed
+from runtime.cli_flags import parse_flags
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+from runtime.packing import multi_item_sequence
+
+FLAGS = flags.FLAGS
+QUERY, ITEMS, ITEM, LABELS = 120, 10, 18, 2
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model_path", None, "model to load; default: the embedded SmolLM2")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
+    flags.DEFINE_integer("max_prefill_tokens", 2048, "the engine's batch budget (largest bucket)")
+    flags.DEFINE_list("buckets", [], "token buckets to run; default: all of the engine's")
+    flags.DEFINE_bool("with_logsumexp", True, "full-vocabulary probabilities (apply_softmax "
+                      "false, SGLang's default); false: label logits only")
+    flags.DEFINE_integer("repeats", 3, "timed forwards per bucket")
+    flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per bucket here")
+    flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
+    """Sequences of SGLang's shape totalling at most `tokens` tokens."""
+    seqs, left, rows = [], tokens, 0
+    while left > 1 and len(seqs) < max_seqs:
+        length = min(left, QUERY + ITEMS * ITEM)
+        query = min(QUERY, length - 1)
+        rest = length - query
+        n_items = min(-(-rest // ITEM), max_rows - rows)
+        if n_items == 0:
+            break
+        sizes = [ITEM] * (n_items - 1) + [rest - ITEM * (n_items - 1)]
+        ids = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
+        seqs.append(multi_item_sequence(ids(query), [ids(n) for n in sizes]))
+        left, rows = left - length, rows + n_items
+    return seqs
+
+
+def make_batch(engine: Engine, bucket: int, rng):
+    runner, buckets = engine.runner, engine.runner.buckets
+    seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng)
+    entries, next_page = [], 0
+    for seq in seqs:
+        n = pages_needed(len(seq.tokens), buckets.page_size)
+        entries.append(ScheduledSeq(seq, list(range(next_page, next_page + n))))
+        next_page += n
+    rows = sum(len(s.score_rows) for s in seqs)
+    labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
+    shape = buckets.shape(sum(len(s.tokens) for s in seqs), rows, len(seqs))
+    batch = build_batch(entries, labels, shape, buckets.page_size, runner.num_slots,
+                        runner.sizes)
+    return batch, shape, seqs
+
+
+def work(cfg: ModelConfig, params: dict, batch, seqs, sizes, with_lse: bool, itemsize: int):
+    """(FLOPs, HBM bytes) of the forward's real work."""
+    tokens = sum(len(s.tokens) for s in seqs)
+    rows = sum(len(s.score_rows) for s in seqs)
+    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dense = 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
+    plan = batch.attention.plan
+    q_blocks = int((plan.row_pos.max(axis=1) >= 0).sum())
+    attn = attention_cost(visited_kv_blocks(plan), q_blocks,
+                          sizes.q_block * cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads,
+                          cfg.head_dim, sizes.kv_block, itemsize)
+    gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
+              if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
+    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params["layers"]))
+    kv_written = 2 * tokens * kvd * itemsize * cfg.num_layers
+    flops = cfg.num_layers * (dense + attn.flops) + gather.flops
+    hbm = (layer_weights + tokens * h * itemsize + cfg.num_layers * attn.bytes_accessed
+           + kv_written + gather.bytes_accessed)
+    return flops, hbm
+
+
+def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
+        trace_dir: str | None = None) -> dict:
+    runner, rows = engine.runner, []
+    itemsize = np.dtype(engine.engine_cfg.dtype).itemsize
+    for bucket in buckets:
+        batch, shape, seqs = make_batch(engine, bucket, np.random.default_rng(0))
+        seconds = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats,
+                            subdir(trace_dir, f"bucket_{bucket}"))
+        tokens = sum(len(s.tokens) for s in seqs)
+        rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(seqs),
+                     "rows": sum(len(s.score_rows) for s in seqs),
+                     "tokens_per_s": tokens / seconds,
+                     **roofline(*work(engine.cfg, runner.params, batch, seqs, runner.sizes,
+                                      with_lse, itemsize), seconds)})
+    return {"model": engine.cfg.family, "layers": engine.cfg.num_layers,
+            "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
+            "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,
+            "timing": WALL_CLOCK + " of ModelRunner.run", "buckets": rows}
+
+
+def main(argv) -> None:
+    del argv
+    budget = FLAGS.max_prefill_tokens
+    engine = Engine.from_path(FLAGS.model_path, EngineConfig(
+        dtype=FLAGS.dtype, max_prefill_tokens=budget, max_seqs=min(64, budget),
+        max_rows=min(256, budget), prefix_cache=False, warmup=False))
+    buckets = [int(b) for b in FLAGS.buckets] or list(engine.runner.buckets.token_sizes())
+    result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir)
+    engine.close()
+    print(f"{result['model']} {result['dtype']} on {result['device']} "
+          f"({result['attention_backend']} attention); timing: {result['timing']}")
+    for r in result["buckets"]:
+        print(f"bucket {r['bucket']:5d}: {r['tokens']:5d} tokens {r['rows']:3d} rows "
+              f"{r['measured_s'] * 1e3:9.1f} ms {r['tokens_per_s']:8.0f} tok/s "
+              f"{r['flops'] / 1e9:8.1f} GFLOP; v6e bound {r['v6e_roofline_s'] * 1e6:8.1f} us")
+    write_json(result, FLAGS.out)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
