@@ -49,12 +49,15 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
 def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
                                 with_logsumexp: bool, num_rows, row_block: int = 16,
                                 logit_scale: float = 1.0, softcap: float | None = None):
-    """The reference on the first `num_rows` rows (runtime data), `row_block` rows at a time,
-    so that padded rows cost nothing: with a logsumexp every row reads the whole head.
+    """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
+    row reads the whole head, `row_block` rows at a time, so that padded rows cost nothing.
     Rows from `num_rows` on are zero."""
     check_shapes(hidden, norm_weight, head, label_ids)
     kw = dict(eps=eps, with_logsumexp=with_logsumexp, logit_scale=logit_scale, softcap=softcap)
     r, k = label_ids.shape
+    if not with_logsumexp:  # a padded row costs K head rows; in a loop XLA CPU copied the head
+        logits, _ = final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, **kw)
+        return jnp.where(jnp.arange(r)[:, None] < num_rows, logits, 0.0), None
     pad = -r % row_block
     hidden, label_ids = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(label_ids, ((0, pad), (0, 0)))
 
