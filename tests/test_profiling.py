@@ -168,3 +168,16 @@ def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp
     for scope in (b"layer/qkv", b"layer/kv_write", b"layer/attention", b"layer/mlp",
                   b"label_gather"):
         assert scope in xplane  # named scopes of the compiled forward
+
+
+@pytest.mark.parametrize("study, args", [
+    ("bench_attention", ["--shapes", "mis_120q_10x18", "--q-block", "64", "--kv-block", "64"]),
+    ("bench_label_gather", ["--vocabs", "3000", "--rows", "1,8", "--hidden", "64"])])
+def test_kernel_study_clis_write_json_and_traces(study, args, tmp_path):
+    out, traces = tmp_path / "result.json", tmp_path / "traces"
+    done = subprocess.run([sys.executable, "-m", f"profiling.{study}", *args, "--repeats", "1",
+                           "--trace-dir", str(traces), "--out", str(out)],
+                          check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["timing"].startswith("wall clock") and "timing: wall clock" in done.stdout
+    assert list(traces.rglob("*.xplane.pb"))
