@@ -77,10 +77,9 @@ def make_batch(engine: Engine, bucket: int, rng):
     return batch, shape, seqs
 
 
-def work(cfg: ModelConfig, params: dict, batch, seqs, sizes, with_lse: bool, itemsize: int):
-    """(FLOPs, HBM bytes) of the forward's real work."""
-    tokens = sum(len(s.tokens) for s in seqs)
-    rows = sum(len(s.score_rows) for s in seqs)
+def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
+         itemsize: int):
+    """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     dense = 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
     plan = batch.attention.plan
@@ -107,11 +106,11 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
         seconds = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats,
                             subdir(trace_dir, f"bucket_{bucket}"))
         tokens = sum(len(s.tokens) for s in seqs)
+        scored = sum(len(s.score_rows) for s in seqs)
         rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(seqs),
-                     "rows": sum(len(s.score_rows) for s in seqs),
-                     "tokens_per_s": tokens / seconds,
-                     **roofline(*work(engine.cfg, runner.params, batch, seqs, runner.sizes,
-                                      with_lse, itemsize), seconds)})
+                     "rows": scored, "tokens_per_s": tokens / seconds,
+                     **roofline(*work(engine.cfg, runner.params, batch, tokens, scored,
+                                      runner.sizes, with_lse, itemsize), seconds)})
     return {"model": engine.cfg.family, "layers": engine.cfg.num_layers,
             "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
             "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,

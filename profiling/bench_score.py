@@ -14,6 +14,7 @@ Timing: wall clock on the client, from a request's arrival time to the end of it
 """
 import asyncio
 import collections
+import contextlib
 import platform
 import time
 
@@ -76,18 +77,15 @@ async def run(url: str, qps: float, duration: float, num_items: int, query_token
     arrivals = arrival_times(qps, duration, rng)
     reqs = workload(info["vocab_size"], query_tokens, item_tokens, num_items, num_labels,
                     len(arrivals), distinct_queries or len(arrivals) or 1, seed)
-    gate = asyncio.Semaphore(concurrency) if concurrency > 0 else None
+    gate = asyncio.Semaphore(concurrency) if concurrency > 0 else contextlib.nullcontext()
     trace_dir = (await pool.post_json("/start_profile"))["trace_dir"] if profile else None
     start = time.perf_counter()
 
     async def one(arrival: float, req) -> tuple[float, int]:
         await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         body = {"query": req.query, "items": req.items, "label_token_ids": req.label_token_ids}
-        if gate is None:
+        async with gate:
             answer = await pool.request("POST", "/v1/score", body)
-        else:
-            async with gate:
-                answer = await pool.request("POST", "/v1/score", body)
         return time.perf_counter() - start - arrival, answer.status
 
     results = await asyncio.gather(*(one(a, r) for a, r in zip(arrivals, reqs)))
