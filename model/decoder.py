@@ -21,6 +21,7 @@ from kernels.rms_norm import rms_norm
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
 from model.params import head_weight
+from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
 
 class Kernels(NamedTuple):
@@ -42,31 +43,35 @@ def apply_rope(x, cos, sin):
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _project(x, w, bias=None):
+def _project(x, w, bias=None, shards: ShardPlan | None = None):
+    """x @ w (+ bias); with `shards`, w is split by rows and the partial sums are all-reduced."""
     y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if shards is not None:
+        y = all_reduce(y, shards)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(w.dtype)
 
 
 def _qkv(cfg: ModelConfig, lp: dict, h, cos, sin):
-    t, d = h.shape[0], cfg.head_dim
-    q = _project(h, lp["wq"], lp.get("bq")).reshape(t, cfg.num_heads, d)
-    k = _project(h, lp["wk"], lp.get("bk")).reshape(t, cfg.num_kv_heads, d)
-    v = _project(h, lp["wv"], lp.get("bv")).reshape(t, cfg.num_kv_heads, d)
+    shape = (h.shape[0], -1, cfg.head_dim)  # this shard's heads
+    q = _project(h, lp["wq"], lp.get("bq")).reshape(shape)
+    k = _project(h, lp["wk"], lp.get("bk")).reshape(shape)
+    v = _project(h, lp["wv"], lp.get("bv")).reshape(shape)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp(lp: dict, h):
+def _mlp(lp: dict, h, shards: ShardPlan):
     gate = _project(h, lp["w_gate"])
     up = _project(h, lp["w_up"])
-    return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"])
+    return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"],
+                    shards=shards)
 
 
-def _layer(cfg: ModelConfig, kernels: Kernels, batch: ForwardBatch, cos, sin,
+def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: ForwardBatch, cos, sin,
            carry, xs):
     x, cache = carry
     lp, layer = xs
@@ -76,18 +81,20 @@ def _layer(cfg: ModelConfig, kernels: Kernels, batch: ForwardBatch, cos, sin,
         k_pages, v_pages = kernels.write(cache.k, cache.v, layer, k, v, batch.kv_slots)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)
-    x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"))
+    x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"), shards)
     with jax.named_scope("mlp"):
-        x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+        x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
     return (x, KVCache(k_pages, v_pages)), None
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
-                  kernels: Kernels):
-    """Final hidden states [T, H] (before the final norm) and the updated cache."""
-    x = params["embed"][batch.tokens]
+                  kernels: Kernels, shards: ShardPlan = ShardPlan()):
+    """Final hidden states [T, H] (before the final norm) and the updated cache; under a
+    shard_map when shards.tp > 1."""
+    x = embed_tokens(params["embed"], batch.tokens, shards)
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
-    body = jax.named_scope("layer")(functools.partial(_layer, cfg, kernels, batch, cos, sin))
+    body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch, cos,
+                                                      sin))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
     return x, cache
@@ -121,17 +128,19 @@ def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str, sizes: BlockSize
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
                   max_q_len: int, with_logsumexp: bool, backend: str = "reference",
-                  sizes: BlockSizes | None = None):
-    """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache."""
+                  sizes: BlockSizes | None = None, shards: ShardPlan = ShardPlan()):
+    """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache.
+    With shards.tp > 1, the body of a shard_map (model.sharding.shard_forward)."""
     kernels = kernel_impl(cfg, max_q_len, backend, sizes, batch.num_rows)
-    x, cache = hidden_states(params, cfg, cache, batch, kernels)
+    x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
-        label_logits, lse = kernels.gather(
-            x[batch.score_rows], params["final_norm"], head_weight(params), batch.label_ids,
-            eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
+        label_logits, lse = gather_labels(
+            kernels.gather, x[batch.score_rows], params["final_norm"], head_weight(params),
+            batch.label_ids, shards, eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
     return label_logits, lse, cache
 
 
-def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                kv_repeat: int = 1) -> KVCache:
+    shape = (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages, page_size, cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

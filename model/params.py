@@ -2,11 +2,11 @@
 
 Layer weights are stacked along a leading layer axis (the decoder scans over it) and
 stored as [in, out] so that the forward pass is `x @ w`. The output head stays [rows, H]:
-the label gather reads rows of it.
+the label gather reads rows of it. Arrays stay on the host (numpy, in the target dtype) until
+the model runner places them on its devices, split or whole.
 """
 from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
@@ -52,32 +52,32 @@ def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _stack(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> jnp.ndarray:
+def _stack(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> np.ndarray:
     per_layer = [_checked(get, hf_layer_name(key, i), shape) for i in range(cfg.num_layers)]
     stacked = np.stack(per_layer).astype(np.float32)
     if key in _LINEARS:
         stacked = stacked.transpose(0, 2, 1)
-    return jnp.asarray(stacked, dtype=dtype)
+    return stacked.astype(dtype)
 
 
 def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
     """`get(hf_name)` returns a float array; raises KeyError naming a missing tensor."""
+    dtype = np.dtype(dtype)
     layers = {key: _stack(get, cfg, key, shape, dtype)
               for key, shape in expected_shapes(cfg).items()}
     h = cfg.hidden_size
     params = {
-        "embed": jnp.asarray(_checked(get, "model.embed_tokens.weight", (cfg.vocab_size, h)),
-                             dtype=dtype),
+        "embed": _checked(get, "model.embed_tokens.weight", (cfg.vocab_size, h)).astype(dtype),
         "layers": layers,
-        "final_norm": jnp.asarray(_checked(get, "model.norm.weight", (h,)), dtype=dtype),
+        "final_norm": _checked(get, "model.norm.weight", (h,)).astype(dtype),
     }
     if cfg.is_classifier:
-        params["head"] = jnp.asarray(_checked(get, "score.weight", (cfg.num_labels, h)), dtype)
+        params["head"] = _checked(get, "score.weight", (cfg.num_labels, h)).astype(dtype)
     elif not cfg.tie_word_embeddings:
-        params["head"] = jnp.asarray(_checked(get, "lm_head.weight", (cfg.vocab_size, h)), dtype)
+        params["head"] = _checked(get, "lm_head.weight", (cfg.vocab_size, h)).astype(dtype)
     return params
 
 
-def head_weight(params: dict) -> jnp.ndarray:
+def head_weight(params: dict):
     """The output head [rows, H]: lm_head, the score head, or the tied embedding."""
     return params["head"] if "head" in params else params["embed"]

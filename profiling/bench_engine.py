@@ -64,7 +64,7 @@ def per_item(reqs: list[ScoreRequest]) -> list[ScoreRequest]:
 
 def _wall(engine: Engine, reqs: list[ScoreRequest]) -> float:
     """Seconds from submitting every request at once to the last result, from a cold cache."""
-    engine.scheduler.flush_prefix_cache()
+    engine.flush_prefix_cache()
     start = time.perf_counter()
     for future in [engine.submit(r) for r in reqs]:
         future.result()

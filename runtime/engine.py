@@ -1,8 +1,10 @@
 """Scoring engine (SPEC §3-§5): validate, tokenize and pack a request into units of work for
-the scheduler, which batches them with other requests' units on the device."""
+a replica's scheduler, which batches them with other requests' units on its devices."""
 import concurrent.futures
+import hashlib
 
 import jax
+import numpy as np
 
 from model.config import ModelConfig
 from model.loader import DTYPES, load_model
@@ -13,18 +15,34 @@ from runtime.job import Job, ScoreResult, Unit
 from runtime.model_runner import ModelRunner
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
 from runtime.request import ScoreRequest, check_token_range, parse_score_request
+from runtime.router import Router
 from runtime.scheduler import Scheduler
 
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer: TextTokenizer,
                  engine_cfg: EngineConfig = EngineConfig()):
+        """`params` on the host; one replica (runner and scheduler) per device group."""
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
-        self.runner = ModelRunner(cfg, params, engine_cfg.buckets(cfg), engine_cfg.num_pages(cfg),
-                                  DTYPES[engine_cfg.dtype], engine_cfg.backend())
+        buckets = engine_cfg.buckets(cfg)
+        pages = engine_cfg.num_pages(cfg, sum(w.nbytes for w in jax.tree.leaves(params)))
+        runners = [ModelRunner(cfg, params, buckets, pages, DTYPES[engine_cfg.dtype],
+                               engine_cfg.backend(), group)
+                   for group in engine_cfg.device_groups()]
         if engine_cfg.warmup:
-            self.runner.warm_up()
-        self.scheduler = Scheduler(self.runner, engine_cfg.prefix_cache)
+            for runner in runners:
+                runner.warm_up()
+        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache) for r in runners]
+        self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's (the only one unless dp_size > 1)."""
+        return self.schedulers[0]
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.schedulers[0].runner
 
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):
@@ -32,7 +50,16 @@ class Engine:
         return cls(cfg, params, tokenizer, engine_cfg)
 
     def close(self) -> None:
-        self.scheduler.close()
+        for scheduler in self.schedulers:
+            scheduler.close()
+
+    def flush_prefix_cache(self) -> int:
+        """Drops every cached prefix nobody is using; returns the pages freed."""
+        return sum(s.flush_prefix_cache() for s in self.schedulers)
+
+    def check_pages(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.check_pages()
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -57,8 +84,18 @@ class Engine:
         if not items:
             job.future.set_result(ScoreResult([], 0))
             return job.future
-        self.scheduler.submit(job, self._units(job, req, query, items))
+        units = self._units(job, req, query, items)
+        self.schedulers[self.router.pick(self._shared_prefix(req, query))].submit(job, units)
         return job.future
+
+    def _shared_prefix(self, req: ScoreRequest, query: list[int]) -> bytes | None:
+        """A digest of what the request's units share and the prefix cache may hold: the
+        query, unless items come first."""
+        if req.item_first:
+            return None
+        prefix = self.tokenizer.prefix_ids if req.is_text else []
+        tokens = np.asarray(prefix + query, np.int64).tobytes()
+        return hashlib.blake2b(tokens, digest_size=16).digest()
 
     def _labels(self, req: ScoreRequest) -> list[int]:
         if self.cfg.is_classifier:

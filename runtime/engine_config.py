@@ -8,6 +8,7 @@ from kernels.attention_plan import BlockSizes, default_block_sizes
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS
 from model.loader import DTYPES
+from model.sharding import shard_plan
 from runtime.buckets import ShapeBuckets, pages_needed
 
 CPU_KV_TOKENS_PER_BATCH = 4  # default pool on CPU: this many full batches of tokens
@@ -28,13 +29,16 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": the Pallas kernels on TPU, the XLA path elsewhere
     q_block: int = 0                # attention block sizes; 0: from the table for this device
     kv_block: int = 0
+    tp_size: int = 1                # devices per replica: one tensor-parallel mesh
+    dp_size: int = 1                # replicas, each on its own devices
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto",) + ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}")
-        positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels")
+        positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",
+                    "tp_size", "dp_size")
         if any(getattr(self, name) <= 0 for name in positive) or not 0 < self.mem_fraction <= 1:
             raise ValueError(f"{positive} must be positive and mem_fraction in (0, 1]: {self}")
         if max(self.page_size, self.max_seqs, self.max_rows) > self.max_prefill_tokens:
@@ -48,6 +52,14 @@ class EngineConfig:
         """One full batch: every sequence may waste a partial page."""
         pages = pages_needed(self.max_prefill_tokens, self.page_size) + self.max_seqs
         return pages * self.page_size
+
+    def device_groups(self) -> list[list]:
+        """dp_size disjoint groups of tp_size devices, in jax.devices() order."""
+        devices, tp, need = jax.devices(), self.tp_size, self.tp_size * self.dp_size
+        if need > len(devices):
+            raise ValueError(f"--tp-size {tp} x --dp-size {self.dp_size} needs {need} devices; "
+                             f"{len(devices)} {jax.default_backend()} devices are visible")
+        return [devices[r * tp:(r + 1) * tp] for r in range(self.dp_size)]
 
     def backend(self) -> str:
         if self.attention_backend != "auto":
@@ -72,15 +84,18 @@ class EngineConfig:
     def max_prompt_tokens(self, cfg: ModelConfig) -> int:
         return min(cfg.max_context, self.max_prefill_tokens)
 
-    def num_pages(self, cfg: ModelConfig) -> int:
-        tokens = self.kv_cache_tokens or self._auto_kv_tokens(cfg)
+    def num_pages(self, cfg: ModelConfig, param_bytes: int) -> int:
+        """KV pages of each replica; `param_bytes`: the whole model's, still on the host."""
+        tokens = self.kv_cache_tokens or self._auto_kv_tokens(cfg, param_bytes)
         return pages_needed(max(tokens, self.min_kv_tokens), self.page_size)
 
-    def _auto_kv_tokens(self, cfg: ModelConfig) -> int:
+    def _auto_kv_tokens(self, cfg: ModelConfig, param_bytes: int) -> int:
         stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
         if not stats or "bytes_limit" not in stats:
             return CPU_KV_TOKENS_PER_BATCH * self.max_prefill_tokens
-        free = stats["bytes_limit"] * self.mem_fraction - stats.get("bytes_in_use", 0)
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(
+        free = (stats["bytes_limit"] * self.mem_fraction - stats.get("bytes_in_use", 0)
+                - param_bytes / self.tp_size)
+        kv_heads = cfg.num_kv_heads * shard_plan(cfg, self.tp_size).kv_repeat / self.tp_size
+        per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * np.dtype(
             DTYPES[self.dtype]).itemsize
-        return int(free // per_token)
+        return max(0, int(free // per_token))

@@ -63,6 +63,13 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def load(self) -> int:
+        """Tokens queued or in the forward running: the work a new request waits behind."""
+        with self._cond:
+            return (sum(len(u.seq.tokens) for u in self._waiting)
+                    + sum(e.new_tokens for e in self._running))
+
     def check_pages(self) -> None:
         """The page invariant: counts equal holders (running sequences and the cache)."""
         with self._cond:

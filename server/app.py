@@ -219,7 +219,7 @@ class ScoreServer:
         return {"status": "ok"}
 
     async def _flush_cache(self, req: Request, gone) -> dict:
-        return {"flushed_pages": self.engine.scheduler.flush_prefix_cache()}
+        return {"flushed_pages": self.engine.flush_prefix_cache()}
 
     async def _start_profile(self, req: Request, gone) -> dict:
         loop = asyncio.get_running_loop()
@@ -246,4 +246,6 @@ class ScoreServer:
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
                 "attention_backend": self.engine.runner.backend,
-                "compilations": self.engine.runner.compile_count}
+                "tp_size": self.engine.engine_cfg.tp_size,
+                "dp_size": self.engine.engine_cfg.dp_size,
+                "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}

@@ -4,23 +4,31 @@ import collections
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+def _total(value):
+    """An engine metric: the sum of `value(scheduler)` over its replicas."""
+    return lambda engine: sum(value(s) for s in engine.schedulers)
+
+
 _ENGINE_METRICS = [  # (name, type, help, value of an Engine)
     ("jax_score_compilations_total", "counter", "programs compiled (warm-up included)",
-     lambda e: e.runner.compile_count),
+     _total(lambda s: s.runner.compile_count)),
     ("jax_score_forwards_total", "counter", "forward passes run",
-     lambda e: e.scheduler.stats.forwards),
+     _total(lambda s: s.stats.forwards)),
     ("jax_score_failed_forwards_total", "counter", "forward passes that raised",
-     lambda e: e.scheduler.stats.failed_forwards),
+     _total(lambda s: s.stats.failed_forwards)),
     ("jax_score_computed_tokens_total", "counter", "prompt tokens run through the model",
-     lambda e: e.scheduler.stats.computed_tokens),
+     _total(lambda s: s.stats.computed_tokens)),
     ("jax_score_cached_tokens_total", "counter", "prompt tokens served from the prefix cache",
-     lambda e: e.scheduler.stats.cached_tokens),
+     _total(lambda s: s.stats.cached_tokens)),
     ("jax_score_waiting_sequences", "gauge", "sequences queued for a forward",
-     lambda e: e.scheduler.waiting),
+     _total(lambda s: s.waiting)),
     ("jax_score_kv_pages_used", "gauge", "KV pages held by sequences or the prefix cache",
-     lambda e: e.scheduler.pool.num_pages - e.scheduler.pool.free_count),
+     _total(lambda s: s.pool.num_pages - s.pool.free_count)),
     ("jax_score_kv_pages_total", "gauge", "KV pages in the pool",
-     lambda e: e.scheduler.pool.num_pages),
+     _total(lambda s: s.pool.num_pages)),
+    ("jax_score_replicas", "gauge", "data parallel replicas", lambda e: len(e.schedulers)),
+    ("jax_score_affine_routes_total", "counter", "requests routed to the replica that took "
+     "their query before", lambda e: e.router.affine_routes),
 ]
 
 _SERVER_GAUGES = {"jax_score_open_connections": "open client connections",

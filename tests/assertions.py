@@ -13,8 +13,8 @@ def assert_scores_close(got, want, atol: float = 1e-5, rtol: float = 0.0) -> Non
 
 def assert_no_leaked_pages(engine) -> None:
     """Every page is held by its holders only; with the prefix cache flushed, all are free."""
-    scheduler = engine.scheduler
-    scheduler.check_pages()
-    scheduler.flush_prefix_cache()
-    scheduler.check_pages()
-    assert scheduler.pool.free_count == scheduler.pool.num_pages
+    engine.check_pages()
+    engine.flush_prefix_cache()
+    engine.check_pages()
+    for scheduler in engine.schedulers:
+        assert scheduler.pool.free_count == scheduler.pool.num_pages

@@ -1,9 +1,15 @@
+import os
+
 import pytest
 
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, write_checkpoint
+
+# Eight CPU devices for the tensor and data parallel tests; set before JAX starts its backend.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
 
 
 @pytest.fixture(scope="session")

@@ -37,9 +37,9 @@ def write_tokenizer(path: str, bos: bool) -> None:
     tok.save(path)
 
 
-def hf_config(family: str) -> dict:
+def hf_config(family: str, vocab: int = VOCAB) -> dict:
     spec = FAMILIES[family]
-    cfg = {"architectures": [spec["arch"]], "vocab_size": VOCAB, "hidden_size": HIDDEN,
+    cfg = {"architectures": [spec["arch"]], "vocab_size": vocab, "hidden_size": HIDDEN,
            "intermediate_size": INTER, "num_hidden_layers": LAYERS,
            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
            "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
@@ -93,9 +93,9 @@ def save_tensors(model_dir: str, tensors: dict, shards: int) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def write_checkpoint(model_dir: str, family: str, seed: int = 0) -> str:
+def write_checkpoint(model_dir: str, family: str, seed: int = 0, vocab: int = VOCAB) -> str:
     os.makedirs(model_dir, exist_ok=True)
-    cfg = hf_config(family)
+    cfg = hf_config(family, vocab)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     save_tensors(model_dir, random_tensors(cfg, seed), FAMILIES[family]["shards"])

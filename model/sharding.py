@@ -1,0 +1,121 @@
+"""Tensor parallelism over one mesh axis, Megatron style, with the forward inside a shard_map.
+
+Per layer, q/k/v, gate and up are split by columns (attention heads, the intermediate size),
+o and down by rows, so each block ends in one all-reduce. KV pages are split by KV head; when
+there are fewer KV heads than shards, each is repeated so that every shard holds the head its
+query heads read. The embedding and an LM head are split by vocabulary rows: a token's
+embedding and a label's logit come from the shard holding that row, and the logsumexp from the
+shards' partial ones, max-shifted. A classifier's head is a few rows: every shard holds it.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from model.batch import KVCache
+from model.config import ModelConfig
+
+TP_AXIS = "tp"
+_COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked [layers, in, out]: split out
+_ROWS = ("wo", "w_down")                          # split in
+_BIASES = ("bq", "bk", "bv")                       # [layers, out]
+_KV = ("wk", "wv", "bk", "bv")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    tp: int = 1
+    kv_repeat: int = 1            # copies of each KV head, when there are fewer than tp
+    vocab_parallel: bool = False  # the embedding split by vocabulary rows
+    head_parallel: bool = False   # the output head too (an LM head, not a classifier's)
+
+    @property
+    def sharded(self) -> bool:
+        return self.tp > 1
+
+
+def shard_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
+    """Raises ValueError when `cfg` cannot be split `tp` ways."""
+    if tp < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp}")
+    for name in ("num_heads", "intermediate_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"--tp-size {tp} does not divide {name}={getattr(cfg, name)}")
+    hkv = cfg.num_kv_heads
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"--tp-size {tp} and num_kv_heads={hkv}: one must divide the other")
+    vocab = tp > 1 and cfg.vocab_size % tp == 0
+    return ShardPlan(tp, max(1, tp // hkv), vocab, vocab and not cfg.is_classifier)
+
+
+def repeat_kv_heads(params: dict, cfg: ModelConfig, repeat: int) -> dict:
+    """Host params with each KV head's columns repeated `repeat` times, side by side."""
+    if repeat == 1:
+        return params
+
+    def repeated(w):
+        heads = w.reshape(*w.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+        return np.repeat(heads, repeat, axis=-2).reshape(*w.shape[:-1], -1)
+
+    layers = {k: repeated(w) if k in _KV else w for k, w in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def param_specs(params: dict, plan: ShardPlan) -> dict:
+    def layer_spec(key):
+        if key in _COLUMNS:
+            return P(None, None, TP_AXIS)
+        if key in _ROWS:
+            return P(None, TP_AXIS, None)
+        return P(None, TP_AXIS) if key in _BIASES else P()
+
+    specs = {"layers": {k: layer_spec(k) for k in params["layers"]}, "final_norm": P(),
+             "embed": P(TP_AXIS) if plan.vocab_parallel else P()}
+    if "head" in params:
+        specs["head"] = P(TP_AXIS) if plan.head_parallel else P()
+    return specs
+
+
+CACHE_SPECS = KVCache(P(None, TP_AXIS), P(None, TP_AXIS))  # [layers, Hkv, pages, page, D]
+
+
+def all_reduce(x, plan: ShardPlan):
+    return jax.lax.psum(x, TP_AXIS) if plan.sharded else x
+
+
+def _local_rows(ids, rows: int):
+    """Ids relative to this shard's slice of `rows` rows, clamped, and whether they are in it."""
+    local = ids - jax.lax.axis_index(TP_AXIS) * rows
+    mine = (local >= 0) & (local < rows)
+    return jnp.clip(local, 0, rows - 1), mine
+
+
+def embed_tokens(embed, tokens, plan: ShardPlan):
+    if not plan.vocab_parallel:
+        return embed[tokens]
+    local, mine = _local_rows(tokens, embed.shape[0])
+    return jax.lax.psum(jnp.where(mine[:, None], embed[local], 0), TP_AXIS)
+
+
+def gather_labels(gather, hidden, norm, head, label_ids, plan: ShardPlan, **kw):
+    """`gather` (a label-gather kernel) over a vocabulary-split head: each label's logit from
+    its shard; the logsumexp from the shards' ones, shifted by their max."""
+    if not plan.head_parallel:
+        return gather(hidden, norm, head, label_ids, **kw)
+    local, mine = _local_rows(label_ids, head.shape[0])
+    logits, lse = gather(hidden, norm, head, local, **kw)
+    logits = jax.lax.psum(jnp.where(mine, logits, 0.0), TP_AXIS)
+    if lse is None:
+        return logits, None
+    top = jax.lax.pmax(lse, TP_AXIS)
+    return logits, top + jnp.log(jax.lax.psum(jnp.exp(lse - top), TP_AXIS))
+
+
+def shard_forward(forward, mesh, params: dict, plan: ShardPlan):
+    """`forward(params, cache, batch)` as one SPMD program over `mesh`'s TP_AXIS: params and
+    cache split as planned, the batch and the label logits the same on every shard."""
+    return jax.shard_map(forward, mesh=mesh, in_specs=(param_specs(params, plan), CACHE_SPECS,
+                                                       P()),
+                         out_specs=(P(), P(), CACHE_SPECS), check_vma=False)
