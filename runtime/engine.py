@@ -9,6 +9,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.loader import DTYPES, load_model
 from model.tokenizer import TextTokenizer
+from runtime.distributed import StepChannel, agree, follow
 from runtime.engine_config import EngineConfig
 from runtime.errors import ScoreError
 from runtime.job import Job, ScoreResult, Unit
@@ -24,11 +25,18 @@ class Engine:
                  engine_cfg: EngineConfig = EngineConfig()):
         """`params` on the host; one replica (runner and scheduler) per device group."""
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
+        multihost = jax.process_count() > 1
+        if multihost and engine_cfg.dp_size > 1:
+            raise ValueError("--dp-size > 1 across hosts is not supported: run one server per "
+                             "host group behind a load balancer")
         buckets = engine_cfg.buckets(cfg)
         pages = engine_cfg.num_pages(cfg, sum(w.nbytes for w in jax.tree.leaves(params)))
-        runners = [ModelRunner(cfg, params, buckets, pages, DTYPES[engine_cfg.dtype],
-                               engine_cfg.backend(), group)
+        runners = [ModelRunner(cfg, params, buckets, agree(pages) if multihost else pages,
+                               DTYPES[engine_cfg.dtype], engine_cfg.backend(), group)
                    for group in engine_cfg.device_groups()]
+        self.channel = StepChannel(buckets, runners[0].num_slots) if multihost else None
+        if self.channel and jax.process_index() == 0:
+            runners[0].publish = self.channel.publish
         if engine_cfg.warmup:
             for runner in runners:
                 runner.warm_up()
@@ -52,6 +60,13 @@ class Engine:
     def close(self) -> None:
         for scheduler in self.schedulers:
             scheduler.close()
+        if self.channel and jax.process_index() == 0:
+            self.channel.stop()
+            self.channel = None  # the other nodes are gone: close only once
+
+    def follow(self) -> int:
+        """Multi-host nodes other than 0: run node 0's forwards until it closes."""
+        return follow(self.runner, self.channel)
 
     def flush_prefix_cache(self) -> int:
         """Drops every cached prefix nobody is using; returns the pages freed."""

@@ -42,6 +42,7 @@ class ModelRunner:
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
         self.params = jax.device_put(params, self._shardings(param_specs(params, self.shards)))
         self.cache = self._new_cache()
+        self.publish = None  # multi-host node 0: the step channel's publish (runtime.distributed)
         self._programs = {}
         self._compile_lock = threading.Lock()
         self.compile_count = 0
@@ -98,6 +99,8 @@ class ModelRunner:
         """Label logits [rows, labels] and logsumexp [rows] (zeros without) as float64."""
         try:
             program = self._program(batch, shape, with_lse)
+            if self.publish is not None:
+                self.publish(shape, with_lse, batch)
             logits, lse, self.cache = program(self.params, self.cache, batch)
             logits = np.asarray(logits, np.float64)
             lse = np.asarray(lse, np.float64) if with_lse else np.zeros(len(logits))

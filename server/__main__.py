@@ -9,6 +9,7 @@ from absl import app, flags, logging
 
 from model.decoder import ATTENTION_BACKENDS
 from runtime.cli_flags import parse_flags
+from runtime.distributed import DistConfig
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from server.app import ScoreServer, ServerConfig
@@ -49,6 +50,15 @@ def define_flags() -> None:
                        "take to finish")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
                       "auto: the Pallas kernels on TPU, the planned XLA path elsewhere")
+    flags.DEFINE_integer("tp_size", 1, "devices per replica: attention heads, MLP and "
+                         "vocabulary split over them")
+    flags.DEFINE_integer("dp_size", 1, "replicas, each on its own --tp-size devices: a request "
+                         "goes to the least loaded, a repeated query to the one that took it")
+    flags.DEFINE_string("dist_init_addr", None, "multi-host: node 0's HOST:PORT for "
+                        "jax.distributed")
+    flags.DEFINE_integer("nnodes", 1, "multi-host: hosts, one process each")
+    flags.DEFINE_integer("node_rank", 0, "multi-host: this host's rank; node 0 serves HTTP, "
+                         "the others run its forwards")
 
 
 def engine_config() -> EngineConfig:
@@ -57,7 +67,7 @@ def engine_config() -> EngineConfig:
         max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
-        attention_backend=FLAGS.attention_backend)
+        attention_backend=FLAGS.attention_backend, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size)
 
 
 def server_config() -> ServerConfig:
@@ -69,8 +79,7 @@ def server_config() -> ServerConfig:
                         access_log=FLAGS.access_log, trace_dir=FLAGS.trace_dir)
 
 
-async def serve() -> None:
-    engine = Engine.from_path(FLAGS.model_path, engine_config())
+async def serve(engine: Engine) -> None:
     server = ScoreServer(engine, server_config())
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
@@ -79,18 +88,33 @@ async def serve() -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.info("stopping: finishing requests in flight (up to %.0f s)", FLAGS.grace_s)
+    listener.close()
+    await server.shutdown(FLAGS.grace_s)
+
+
+def start_engine() -> Engine:
+    """The engine, after joining the other hosts; a bad flag is a usage error."""
     try:
-        await stop.wait()
-        logging.info("stopping: finishing requests in flight (up to %.0f s)", FLAGS.grace_s)
-        listener.close()
-        await server.shutdown(FLAGS.grace_s)
-    finally:
-        engine.close()
+        dist = DistConfig(FLAGS.dist_init_addr, FLAGS.nnodes, FLAGS.node_rank)
+        dist.initialize()
+        return Engine.from_path(FLAGS.model_path, engine_config())
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
 
 
 def main(argv) -> None:
     del argv
-    asyncio.run(serve())
+    engine = start_engine()
+    try:
+        if FLAGS.node_rank:
+            logging.info("node %d: running node 0's forwards", FLAGS.node_rank)
+            logging.info("node 0 stopped after %d forwards", engine.follow())
+        else:
+            asyncio.run(serve(engine))
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":
