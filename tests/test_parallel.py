@@ -161,9 +161,9 @@ def test_prefix_affine_routing_hits_the_cache(make):
     rng = np.random.default_rng(3)
     query = rng.integers(0, VOCAB, 40).tolist()  # five pages of 8 tokens
     for k in range(3):
-        other = rng.integers(0, VOCAB, 40).tolist()  # a new query between repeats
-        engine.score(other, [[1, 2]], label_token_ids=LABELS)
         engine.score(query, [[k, 7], [9]], label_token_ids=LABELS)
+        for _ in range(2):  # new queries between repeats: taking turns alone would alternate
+            engine.score(rng.integers(0, VOCAB, 40).tolist(), [[1, 2]], label_token_ids=LABELS)
     assert engine.router.affine_routes == 2
     assert sum(s.stats.cached_tokens for s in engine.schedulers) == 2 * 40
     assert_no_leaked_pages(engine)
