@@ -2,6 +2,8 @@
 import concurrent.futures
 import dataclasses
 import functools
+import subprocess
+import sys
 import types
 
 import jax
@@ -195,3 +197,11 @@ def test_router_spreads_new_work_to_the_least_loaded():
     router.pick(b"c")  # capacity 2: the oldest home is forgotten
     schedulers[2].load = 0
     assert router.pick(b"a") == 2 and router.affine_routes == 0
+
+
+def test_cli_refuses_a_layout_the_model_cannot_take(model_dirs):
+    proc = subprocess.run([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
+                           "--port", "0", "--tp-size", "3", "--skip-warmup"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "--tp-size 3 does not divide num_heads=4" in proc.stderr
