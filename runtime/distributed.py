@@ -50,8 +50,9 @@ class StepChannel:
     """Node 0 publishes each forward's step; the other nodes receive them in the same order."""
 
     def __init__(self, buckets: ShapeBuckets, num_slots: int):
-        self.buckets, self.num_slots = buckets, num_slots
         self.shapes = buckets.all_shapes()
+        self._empty = {}  # shape -> the padded batch the other nodes receive into
+        self._empty_args = (buckets.page_size, num_slots, buckets.sizes)
 
     def publish(self, shape: BatchShape, with_lse: bool, batch: ForwardBatch) -> None:
         self._header(_FORWARD, self.shapes.index(shape), with_lse)
@@ -66,9 +67,9 @@ class StepChannel:
         if op == _STOP:
             return None
         shape = self.shapes[index]
-        empty = build_batch([], [], shape, self.buckets.page_size, self.num_slots,
-                            self.buckets.sizes)
-        return shape, bool(with_lse), multihost_utils.broadcast_one_to_all(empty)
+        if shape not in self._empty:
+            self._empty[shape] = build_batch([], [], shape, *self._empty_args)
+        return shape, bool(with_lse), multihost_utils.broadcast_one_to_all(self._empty[shape])
 
     @staticmethod
     def _header(op: int, index: int, with_lse: bool) -> list[int]:

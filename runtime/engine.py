@@ -31,8 +31,10 @@ class Engine:
                              "host group behind a load balancer")
         buckets = engine_cfg.buckets(cfg)
         pages = engine_cfg.num_pages(cfg, sum(w.nbytes for w in jax.tree.leaves(params)))
-        runners = [ModelRunner(cfg, params, buckets, agree(pages) if multihost else pages,
-                               DTYPES[engine_cfg.dtype], engine_cfg.backend(), group)
+        if multihost:
+            pages = agree(pages)
+        runners = [ModelRunner(cfg, params, buckets, pages, DTYPES[engine_cfg.dtype],
+                               engine_cfg.backend(), group)
                    for group in engine_cfg.device_groups()]
         self.channel = StepChannel(buckets, runners[0].num_slots) if multihost else None
         if self.channel and jax.process_index() == 0:
@@ -103,13 +105,16 @@ class Engine:
         self.schedulers[self.router.pick(self._shared_prefix(req, query))].submit(job, units)
         return job.future
 
+    def _chat_prefix(self, req: ScoreRequest) -> list[int]:
+        """What the tokenizer puts before a text prompt (e.g. BOS); ids come as they are."""
+        return self.tokenizer.prefix_ids if req.is_text else []
+
     def _shared_prefix(self, req: ScoreRequest, query: list[int]) -> bytes | None:
         """A digest of what the request's units share and the prefix cache may hold: the
         query, unless items come first."""
         if req.item_first:
             return None
-        prefix = self.tokenizer.prefix_ids if req.is_text else []
-        tokens = np.asarray(prefix + query, np.int64).tobytes()
+        tokens = np.asarray(self._chat_prefix(req) + query, np.int64).tobytes()
         return hashlib.blake2b(tokens, digest_size=16).digest()
 
     def _labels(self, req: ScoreRequest) -> list[int]:
@@ -139,7 +144,7 @@ class Engine:
     def _units(self, job: Job, req: ScoreRequest, query, items) -> list[Unit]:
         """item_first: one causal sequence per item; otherwise multi-item sequences of the
         query and as many items as one forward takes."""
-        prefix = self.tokenizer.prefix_ids if req.is_text else []
+        prefix = self._chat_prefix(req)
         if req.item_first:
             seqs = [causal_sequence(prefix + item + query) for item in items]
             for k, s in enumerate(seqs):
