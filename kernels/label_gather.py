@@ -30,8 +30,10 @@ def scale_and_cap(logits, logit_scale, softcap):
 
 
 def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, eps: float,
-                                      with_logsumexp: bool, logit_scale: float = 1.0,
-                                      softcap: float | None = None):
+                                      with_logsumexp: bool, num_rows=None, num_labels=None,
+                                      logit_scale: float = 1.0, softcap: float | None = None):
+    """Every row and label: `num_rows` and `num_labels` (the real ones) are not used."""
+    del num_rows, num_labels
     check_shapes(hidden, norm_weight, head, label_ids)
     x = rms_norm(hidden, norm_weight, eps)
     n_labels, (vocab, width) = label_ids.shape[1], head.shape
@@ -47,11 +49,13 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
 
 
 def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
-                                with_logsumexp: bool, num_rows, row_block: int = 16,
-                                logit_scale: float = 1.0, softcap: float | None = None):
+                                with_logsumexp: bool, num_rows, num_labels=None,
+                                row_block: int = 16, logit_scale: float = 1.0,
+                                softcap: float | None = None):
     """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
     row reads the whole head, `row_block` rows at a time, so that padded rows cost nothing.
-    Rows from `num_rows` on are zero."""
+    Rows from `num_rows` on are zero. Every label is computed (`num_labels` is not used)."""
+    del num_labels
     check_shapes(hidden, norm_weight, head, label_ids)
     kw = dict(eps=eps, with_logsumexp=with_logsumexp, logit_scale=logit_scale, softcap=softcap)
     r, k = label_ids.shape

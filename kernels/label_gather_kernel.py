@@ -1,8 +1,14 @@
 """Fused final RMSNorm + label-logit gather (+ streamed logsumexp): the Pallas TPU kernels.
 
-Same contract as `final_norm_label_gather_reference`; never writes [R, V] logits.
-- Labels only (apply_softmax): the K label rows of the head are copied by DMA, one row per
-  label, so the [V, H] head is never read whole.
+Same contract as `final_norm_label_gather_reference`; never writes [R, V] logits. Label ids
+are padded to a fixed count per row: both kernels loop over the first `num_labels` of them
+only (a runtime trip count), with labels as a leading dim [K, rows, 1], so that label k is a
+dynamic index Mosaic accepts and padded labels cost nothing.
+- Labels only (apply_softmax): for each label, the tile of SUBLANES head rows holding it is
+  copied by DMA (a DMA into a tiled array starts on a tile boundary), one label's tiles in
+  flight while the previous one's are used; the label's column is picked from that tile's
+  logits. The [V, H] head is never read whole. When those tiles would outweigh the head, or
+  the head's rows are no whole number of tiles, the streamed kernel serves this mode too.
 - With logsumexp: the head streams through VMEM in vocabulary tiles; a float32 online
   max/sum gives the logsumexp and label columns are picked inside each tile by comparing
   column ids with the label ids (no dynamic gather). Columns past V are masked.
@@ -16,33 +22,64 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import check_shapes, scale_and_cap
 from kernels.rms_norm import rms_norm
+from kernels.tpu_tiles import LANES, SUBLANES
 
-_LANES = 128
-
-
-def _label_rows_kernel(labels_ref, hidden_ref, norm_ref, head_hbm, out_ref, rows_buf, sem, *,
-                       eps, n_labels, logit_scale, softcap):
-    row_block = hidden_ref.shape[0]
-    base = pl.program_id(0) * row_block * n_labels
-
-    def copy(i):
-        label = labels_ref[base + i]
-        return pltpu.make_async_copy(head_hbm.at[pl.ds(label, 1)], rows_buf.at[pl.ds(i, 1)],
-                                     sem.at[0])
-
-    count = row_block * n_labels
-    jax.lax.fori_loop(0, count, lambda i, c: (copy(i).start(), c)[1], 0)
-    jax.lax.fori_loop(0, count, lambda i, c: (copy(i).wait(), c)[1], 0)
-    x = rms_norm(hidden_ref[...], norm_ref[0], eps)
-    for r in range(row_block):
-        rows = rows_buf[r * n_labels:(r + 1) * n_labels, :]
-        logits = jax.lax.dot_general(x[r:r + 1], rows, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
-        out_ref[r:r + 1, :] = scale_and_cap(logits, logit_scale, softcap)
+_ROW_BLOCK = 8  # labels only: rows per grid step
+_HEAD_TILE_BYTES = 8 << 20  # streamed: one vocabulary tile of the head (double-buffered)
 
 
-def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
+def _label_tiles_kernel(counts_ref, labels_smem, hidden_ref, norm_ref, labels_ref, head_hbm,
+                        out_ref, tiles, sems, *, eps, logit_scale, softcap):
+    """Grid: blocks of _ROW_BLOCK rows. counts_ref: (real rows, real labels)."""
+    n_labels, row_block = out_ref.shape[0], out_ref.shape[1]
+    first_row = pl.program_id(0) * row_block
+    out_ref[...] = jnp.zeros(out_ref.shape, jnp.float32)
+
+    def copies(k, slot):  # label k of every row of the block: its tile of head rows
+        def one(r):
+            label = labels_smem[(first_row + r) * n_labels + k]
+            start = pl.multiple_of(jax.lax.div(label, SUBLANES) * SUBLANES, SUBLANES)
+            return pltpu.make_async_copy(head_hbm.at[pl.ds(start, SUBLANES)],
+                                         tiles.at[slot, r], sems.at[slot])
+        return [one(r) for r in range(row_block)]
+
+    @pl.when(first_row < counts_ref[0])
+    def _():
+        x = rms_norm(hidden_ref[...], norm_ref[0], eps)
+        shape = (row_block, row_block * SUBLANES)
+        own_tile = jax.lax.broadcasted_iota(jnp.int32, shape, 0) * SUBLANES
+        lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        count = counts_ref[1]
+
+        @pl.when(count > 0)
+        def _():
+            for c in copies(0, 0):
+                c.start()
+
+        def label(k, carry):
+            slot = k % 2
+
+            @pl.when(k + 1 < count)
+            def _():
+                for c in copies(k + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(k, slot):
+                c.wait()
+            logits = jax.lax.dot_general(x, tiles[slot].reshape(shape[1], -1),
+                                         (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+            hit = lane == own_tile + jax.lax.rem(labels_ref[k], SUBLANES)  # ids are >= 0
+            picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=1, keepdims=True)
+            out_ref[k] = scale_and_cap(picked, logit_scale, softcap)
+            return carry
+
+        jax.lax.fori_loop(0, count, label, 0)
+
+
+def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
                      x_ref, m_ref, s_ref, acc_ref, *, eps, vocab, logit_scale, softcap):
+    """Grid: (row blocks, vocabulary tiles). counts_ref: (real rows, real labels)."""
     j = pl.program_id(1)
     tile = head_ref.shape[0]
 
@@ -64,10 +101,13 @@ def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_re
     p = jnp.where(valid, jnp.exp(logits - m_next[:, :1]), 0.0)
     s_ref[...] = s_ref[...] * jnp.exp(m_prev - m_next) + jnp.sum(p, axis=1, keepdims=True)
     m_ref[...] = m_next
-    labels = labels_ref[...]
-    for k in range(labels.shape[1]):  # one label at a time: memory stays [rows, tile]
-        hit = col == labels[:, k:k + 1]
-        acc_ref[:, k:k + 1] += jnp.sum(jnp.where(hit, logits, 0.0), axis=1, keepdims=True)
+
+    def pick(k, carry):  # one label at a time: memory stays [rows, tile]
+        hit = col == labels_ref[k]
+        acc_ref[k] += jnp.sum(jnp.where(hit, logits, 0.0), axis=1, keepdims=True)
+        return carry
+
+    jax.lax.fori_loop(0, counts_ref[1], pick, 0)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
@@ -76,9 +116,10 @@ def _streamed_kernel(hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_re
 
 
 def label_rows_cost(rows: int, labels: int, hidden: int, itemsize: int) -> pl.CostEstimate:
-    """Labels only: each row's hidden state and its label rows of the head, read once."""
-    return pl.CostEstimate(flops=2 * rows * labels * hidden, transcendentals=rows,
-                           bytes_accessed=(rows * labels + rows) * hidden * itemsize
+    """Labels only: each row's hidden state, and for each of its labels the tile of head rows
+    that holds it, read once."""
+    return pl.CostEstimate(flops=2 * rows * labels * hidden * SUBLANES, transcendentals=rows,
+                           bytes_accessed=(rows * labels * SUBLANES + rows) * hidden * itemsize
                            + rows * labels * 4)
 
 
@@ -90,70 +131,113 @@ def streamed_cost(rows: int, labels: int, vocab: int, hidden: int, row_block: in
                            + rows * hidden * itemsize + rows * (labels + 1) * 4)
 
 
+def label_tiles_pay(rows, labels, vocab: int):
+    """Labels only: whether copying each label's tile of head rows reads less of the head than
+    streaming it once (runtime values: the real rows and labels)."""
+    return rows * labels * SUBLANES < vocab
+
+
+def head_tile_rows(vocab: int, hidden: int, itemsize: int, most: int = 2048) -> int:
+    """Streamed: head rows per vocabulary tile, at most `most` and _HEAD_TILE_BYTES (a wide
+    float32 head would overflow VMEM), in whole lane tiles of logits; a smaller head is one
+    tile (classifier heads have a handful of rows)."""
+    fits = max(LANES, _HEAD_TILE_BYTES // (hidden * itemsize) // LANES * LANES)
+    return min(most, fits, vocab)
+
+
 def streamed_row_block(rows: int, max_stream_rows: int = 256) -> int:
     return min(-(-rows // 8) * 8, max_stream_rows)
 
 
-def _label_rows(hidden, norm, head, labels, row_block, interpret, **kw):
-    r, h = hidden.shape
-    k = labels.shape[1]
-    kernel = functools.partial(_label_rows_kernel, n_labels=k, **kw)
-    return pl.pallas_call(
-        kernel, name="label_gather_rows",
+def _by_label(labels):
+    """[R, K] -> [K, R, 1]: label k is a leading index, each row on its own sublane."""
+    return labels.T[:, :, None]
+
+
+def _label_tiles(counts, hidden, norm, head, labels, interpret, **kw):
+    (r, h), k = hidden.shape, labels.shape[1]
+    rows = lambda i, *_: (i, 0)  # noqa: E731
+    by_label = lambda i, *_: (0, i, 0)  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_label_tiles_kernel, **kw), name="label_gather_rows",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(r // row_block,),
-            in_specs=[pl.BlockSpec((row_block, h), lambda i, lab: (i, 0)),
-                      pl.BlockSpec((1, h), lambda i, lab: (0, 0)),
+            num_scalar_prefetch=2, grid=(r // _ROW_BLOCK,),
+            in_specs=[pl.BlockSpec((_ROW_BLOCK, h), rows),
+                      pl.BlockSpec((1, h), lambda i, *_: (0, 0)),
+                      pl.BlockSpec((k, _ROW_BLOCK, 1), by_label),
                       pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((row_block, k), lambda i, lab: (i, 0)),
-            scratch_shapes=[pltpu.VMEM((row_block * k, h), head.dtype),
-                            pltpu.SemaphoreType.DMA((1,))]),
-        out_shape=jax.ShapeDtypeStruct((r, k), jnp.float32),
+            out_specs=pl.BlockSpec((k, _ROW_BLOCK, 1), by_label),
+            scratch_shapes=[pltpu.VMEM((2, _ROW_BLOCK, SUBLANES, h), head.dtype),
+                            pltpu.SemaphoreType.DMA((2,))]),
+        out_shape=jax.ShapeDtypeStruct((k, r, 1), jnp.float32),
         cost_estimate=label_rows_cost(r, k, h, head.dtype.itemsize),
         interpret=interpret,
-    )(labels.reshape(-1), hidden, norm.reshape(1, h), head)
+    )(counts, labels.reshape(-1), hidden, norm.reshape(1, h), _by_label(labels), head)
+    return out[:, :, 0].T
 
 
-def _streamed(hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw):
+def _streamed(counts, hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw):
     (r, h), v, k = hidden.shape, head.shape[0], labels.shape[1]
-    kernel = functools.partial(_streamed_kernel, vocab=v, **kw)
-    rows = lambda i, j: (i, 0)  # noqa: E731
-    return pl.pallas_call(
-        kernel, name="label_gather_streamed",
-        grid=(r // row_block, pl.cdiv(v, vocab_tile)),
-        in_specs=[pl.BlockSpec((row_block, h), rows), pl.BlockSpec((1, h), lambda i, j: (0, 0)),
-                  pl.BlockSpec((vocab_tile, h), lambda i, j: (j, 0)),
-                  pl.BlockSpec((row_block, k), rows)],
-        out_specs=[pl.BlockSpec((row_block, k), rows), pl.BlockSpec((row_block, 1), rows)],
-        out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32),
+    rows = lambda i, j, *_: (i, 0)  # noqa: E731
+    by_label = lambda i, j, *_: (0, i, 0)  # noqa: E731
+    logits, lse = pl.pallas_call(
+        functools.partial(_streamed_kernel, vocab=v, **kw), name="label_gather_streamed",
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(r // row_block, pl.cdiv(v, vocab_tile)),
+            in_specs=[pl.BlockSpec((row_block, h), rows),
+                      pl.BlockSpec((1, h), lambda i, j, *_: (0, 0)),
+                      pl.BlockSpec((vocab_tile, h), lambda i, j, *_: (j, 0)),
+                      pl.BlockSpec((k, row_block, 1), by_label)],
+            out_specs=[pl.BlockSpec((k, row_block, 1), by_label),
+                       pl.BlockSpec((row_block, 1), rows)],
+            scratch_shapes=[pltpu.VMEM((row_block, h), head.dtype),
+                            pltpu.VMEM((row_block, LANES), jnp.float32),
+                            pltpu.VMEM((row_block, LANES), jnp.float32),
+                            pltpu.VMEM((k, row_block, 1), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct((k, r, 1), jnp.float32),
                    jax.ShapeDtypeStruct((r, 1), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((row_block, h), head.dtype),
-                        pltpu.VMEM((row_block, _LANES), jnp.float32),
-                        pltpu.VMEM((row_block, _LANES), jnp.float32),
-                        pltpu.VMEM((row_block, k), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=streamed_cost(r, k, v, h, row_block, head.dtype.itemsize),
         interpret=interpret,
-    )(hidden, norm.reshape(1, h), head, labels)
+    )(counts, hidden, norm.reshape(1, h), head, _by_label(labels))
+    return logits[:, :, 0].T, lse[:, 0]
 
 
 def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
-                            with_logsumexp: bool, logit_scale: float = 1.0,
-                            softcap: float | None = None, vocab_tile: int = 2048,
-                            max_stream_rows: int = 256, interpret=False):
+                            with_logsumexp: bool, num_rows=None, num_labels=None,
+                            logit_scale: float = 1.0, softcap: float | None = None,
+                            vocab_tile: int = 2048, max_stream_rows: int = 256,
+                            interpret=False):
     """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
 
-    The streamed mode reads the head once per block of up to `max_stream_rows` rows."""
+    `num_rows`, `num_labels` (runtime data; None: all): the real rows and the real labels of
+    any row; label columns past `num_labels` come back 0. The streamed mode reads the head
+    once per block of up to `max_stream_rows` rows."""
     check_shapes(hidden, norm_weight, head, label_ids)
-    r = hidden.shape[0]
-    row_block = streamed_row_block(r, max_stream_rows) if with_logsumexp else 8
-    pad = -r % row_block
-    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-    labels = jnp.pad(label_ids.astype(jnp.int32), ((0, pad), (0, 0)))
+    (r, h), (vocab, k) = hidden.shape, (head.shape[0], label_ids.shape[1])
+    counts = jnp.stack([jnp.asarray(r if num_rows is None else num_rows, jnp.int32),
+                        jnp.asarray(k if num_labels is None else num_labels, jnp.int32)])
     kw = dict(eps=eps, logit_scale=logit_scale, softcap=softcap)
-    if not with_logsumexp:
-        return _label_rows(hidden, norm_weight, head, labels, row_block, interpret, **kw)[:r], None
-    vocab_tile = min(vocab_tile, head.shape[0])  # classifier heads have a handful of rows
-    logits, lse = _streamed(hidden, norm_weight, head, labels, row_block, vocab_tile, interpret,
-                            **kw)
-    return logits[:r], lse[:r, 0]
+    labels = label_ids.astype(jnp.int32)
+
+    def streamed():
+        row_block = streamed_row_block(r, max_stream_rows)
+        pad = -r % row_block
+        logits, lse = _streamed(counts, jnp.pad(hidden, ((0, pad), (0, 0))), norm_weight, head,
+                                jnp.pad(labels, ((0, pad), (0, 0))), row_block,
+                                head_tile_rows(vocab, h, head.dtype.itemsize, vocab_tile),
+                                interpret, **kw)
+        return logits[:r], lse[:r]
+
+    if with_logsumexp:
+        return streamed()
+    if vocab % SUBLANES:  # the head's rows are no whole number of tiles
+        return streamed()[0], None
+
+    def tiles():
+        pad = -r % _ROW_BLOCK
+        return _label_tiles(counts, jnp.pad(hidden, ((0, pad), (0, 0))), norm_weight, head,
+                            jnp.pad(labels, ((0, pad), (0, 0))), interpret, **kw)[:r]
+
+    return jax.lax.cond(label_tiles_pay(counts[0], counts[1], vocab), tiles,
+                        lambda: streamed()[0]), None

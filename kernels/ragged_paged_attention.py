@@ -42,20 +42,31 @@ def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
                          f"{jax.tree.map(jnp.shape, md)}")
 
 
-def write_kv_pages(k_pages, v_pages, layer, k_new, v_new, slots):
-    """Writes new tokens' K/V [T, Hkv, D] at flat slots (page * page_size + offset).
+def page_blocks(x, page_tokens):
+    """New tokens' K or V [T, Hkv, D] as whole pages [W, Hkv, page_size, D]: row r of block w
+    is token page_tokens[w, r]. A sequence's new tokens start on a page boundary (the prefix
+    cache holds full pages only), so each page it writes is its own, wholly."""
+    return x[page_tokens].transpose(0, 2, 1, 3)
 
-    A slot outside the pool (padding tokens) is dropped.
+
+def write_kv_pages(k_pages, v_pages, layer, k_blocks, v_blocks, page_ids):
+    """Writes whole pages: k/v_blocks [W, Hkv, page_size, D] into pages page_ids [W] of
+    `layer`. A page id outside the pool (padding) is dropped.
+
+    Rows of a sequence's last page past its end hold whatever `page_blocks` put there; they
+    lie past kv_len, where attention never looks.
     """
-    n_layers, hkv, n_pages, page_size, d = k_pages.shape
-    flat = (n_layers, hkv, n_pages * page_size, d)
+    def put(pages, blocks):
+        return pages.at[layer, :, page_ids].set(blocks.astype(pages.dtype), mode="drop")
 
-    def put(pages, new):
-        updated = pages.reshape(flat).at[layer, :, slots].set(
-            new.astype(pages.dtype), mode="drop")
-        return updated.reshape(pages.shape)
+    return put(k_pages, k_blocks), put(v_pages, v_blocks)
 
-    return put(k_pages, k_new), put(v_pages, v_new)
+
+def gather_pages(pages, layer, ids):
+    """[Hkv, len(ids) * page_size, D]: pages `ids` of `layer`, gathered from the pool directly
+    (slicing the layer out first would copy it on every call)."""
+    hkv, d = pages.shape[1], pages.shape[-1]
+    return pages[layer, :, ids].transpose(1, 0, 2, 3).reshape(hkv, -1, d)
 
 
 def visible_mask(q_pos, visible_from, prefix_len, kv_len, kv_pos):
@@ -95,8 +106,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMe
         i = b * q_block + jnp.arange(q_block)
         tok = jnp.clip(md.cu_q_lens[s] + i, 0, t - 1)
         q_pos = md.kv_lens[s] - q_lens[s] + i
-        k_seq = k_pages[layer][:, md.page_indices[s]].reshape(k_pages.shape[1], -1, d)
-        v_seq = v_pages[layer][:, md.page_indices[s]].reshape(k_pages.shape[1], -1, d)
+        k_seq = gather_pages(k_pages, layer, md.page_indices[s])
+        v_seq = gather_pages(v_pages, layer, md.page_indices[s])
         return _seq_block_attention(q[tok], k_seq, v_seq, q_pos, md.visible_from[tok],
                                     md.prefix_lens[s], md.kv_lens[s], sm_scale)
 

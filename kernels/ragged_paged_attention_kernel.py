@@ -16,8 +16,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes
 from kernels.ragged_paged_attention import AttentionMetadata, check_shapes
+from kernels.tpu_tiles import LANES
 
-_LANES = 128
 _MASKED = -1e30
 
 
@@ -153,8 +153,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
                         pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.VMEM((hkv, rows, _LANES), jnp.float32),
-                        pltpu.VMEM((hkv, rows, _LANES), jnp.float32),
+                        pltpu.VMEM((hkv, rows, LANES), jnp.float32),
+                        pltpu.VMEM((hkv, rows, LANES), jnp.float32),
                         pltpu.VMEM((hkv, rows, d), jnp.float32)])
     out = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",

@@ -12,26 +12,30 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention_plan import FIRST, AttentionPlan, BlockSizes
-from kernels.ragged_paged_attention import AttentionMetadata, check_shapes, visible_mask
+from kernels.ragged_paged_attention import (
+    AttentionMetadata,
+    check_shapes,
+    gather_pages,
+    visible_mask,
+)
 
 _MASKED = -1e30
 
 
-def _block_kv(pages_of_seq, kv, k_layer, v_layer, pages_per_block):
+def _block_kv(pages_of_seq, kv, k_pages, v_pages, layer, pages_per_block):
     """K/V of KV block `kv` of one sequence: [Hkv, kv_block, D] each."""
     pages = jax.lax.dynamic_slice(pages_of_seq, (kv * pages_per_block,), (pages_per_block,))
-    hkv, d = k_layer.shape[0], k_layer.shape[-1]
-    return k_layer[:, pages].reshape(hkv, -1, d), v_layer[:, pages].reshape(hkv, -1, d)
+    return gather_pages(k_pages, layer, pages), gather_pages(v_pages, layer, pages)
 
 
-def _step(i, carry, *, q_blocks, k_layer, v_layer, pages, md, plan, sm_scale, sizes):
+def _step(i, carry, *, q_blocks, k_pages, v_pages, layer, pages, md, plan, sm_scale, sizes):
     """One (q block, KV block) pair; rows are (query head in group, token), as in the kernel."""
     out, m, total, acc = carry
     block, kv, first = plan.step_block[i], plan.step_kv[i], (plan.step_flags[i] & FIRST) != 0
     reset = ((m, _MASKED), (total, 0.0), (acc, 0.0))
     m, total, acc = (jnp.where(first, init, x) for x, init in reset)
     seq, pos = plan.block_seq[block], plan.row_pos[block]
-    k, v = _block_kv(pages[seq], kv, k_layer, v_layer, sizes.kv_block // k_layer.shape[2])
+    k, v = _block_kv(pages[seq], kv, k_pages, v_pages, layer, sizes.kv_block // k_pages.shape[3])
     s = jnp.einsum("hrd,hkd->hrk", q_blocks[block], k.astype(jnp.float32)) * sm_scale
     cols = kv * sizes.kv_block + jnp.arange(sizes.kv_block)
     mask = visible_mask(pos, plan.row_vis[block], md.prefix_lens[seq], md.kv_lens[seq], cols)
@@ -70,7 +74,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata
     q_blocks = q[plan.block_tokens].astype(jnp.float32).reshape(n_blocks, bq, hkv, group, d)
     q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(n_blocks, hkv, group * bq, d)
     step = functools.partial(
-        _step, q_blocks=q_blocks, k_layer=k_pages[layer], v_layer=v_pages[layer], pages=pages,
+        _step, q_blocks=q_blocks, k_pages=k_pages, v_pages=v_pages, layer=layer, pages=pages,
         md=md, plan=plan, sm_scale=sm_scale, sizes=sizes)
     stats = jnp.full((hkv, group * bq), _MASKED, jnp.float32)
     carry = (jnp.zeros((n_blocks, hkv, group * bq, d), jnp.float32), stats,

@@ -14,10 +14,15 @@ from kernels.attention_plan import BlockSizes
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
-from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
+from kernels.ragged_paged_attention import (
+    page_blocks,
+    ragged_paged_attention_reference,
+    write_kv_pages,
+)
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from kernels.rms_norm import rms_norm
+from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
 from model.params import head_weight
@@ -25,9 +30,10 @@ from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
 
 class Kernels(NamedTuple):
-    write: Callable   # (k_pages, v_pages, layer, k_new, v_new, slots) -> (k_pages, v_pages)
+    write: Callable   # (k_pages, v_pages, layer, k_blocks, v_blocks, page_ids) -> pages
     attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
-    gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp) -> (logits, lse)
+    gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp, num_rows,
+    #                   num_labels) -> (logits, lse)
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -71,16 +77,23 @@ def _mlp(lp: dict, h, shards: ShardPlan):
                     shards=shards)
 
 
+def _pad_head_dim(x, width: int):
+    """[T, H, D] -> [T, H, width], zeros after D: q.k and p.v are unchanged."""
+    return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
+
+
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: ForwardBatch, cos, sin,
            carry, xs):
     x, cache = carry
     lp, layer = xs
     with jax.named_scope("qkv"):
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
+        q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
-        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, k, v, batch.kv_slots)
+        blocks = (page_blocks(x, batch.kv_page_tokens) for x in (k, v))
+        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, batch.kv_pages)
     with jax.named_scope("attention"):
-        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)
+        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
     x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"), shards)
     with jax.named_scope("mlp"):
         x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
@@ -101,14 +114,15 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
 
 
 ATTENTION_BACKENDS = ("reference", "xla", "pallas", "interpret")
+TPU_BACKENDS = ("pallas", "interpret")  # the Pallas kernels, compiled or interpreted
 
 
-def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str, sizes: BlockSizes | None,
-                num_rows=None) -> Kernels:
+def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str,
+                sizes: BlockSizes | None) -> Kernels:
     """reference: dense plain JAX, the tests' oracle; xla: the planned XLA loops (CPU, GPU),
     work following the real rows and visible KV blocks; pallas: the TPU kernels; interpret:
     the same kernels in the TPU interpreter (CPU tests). All but reference need
-    metadata.plan; xla needs `num_rows`."""
+    metadata.plan."""
     kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
     if backend == "reference":
         return Kernels(write_kv_pages, functools.partial(ragged_paged_attention_reference, **kw),
@@ -116,7 +130,7 @@ def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str, sizes: BlockSize
     if backend == "xla":
         return Kernels(write_kv_pages,
                        functools.partial(ragged_paged_attention_xla, sizes=sizes, **kw),
-                       functools.partial(final_norm_label_gather_xla, num_rows=num_rows))
+                       final_norm_label_gather_xla)
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     interpret = pltpu.InterpretParams() if backend == "interpret" else False
@@ -131,16 +145,31 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
                   sizes: BlockSizes | None = None, shards: ShardPlan = ShardPlan()):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache.
     With shards.tp > 1, the body of a shard_map (model.sharding.shard_forward)."""
-    kernels = kernel_impl(cfg, max_q_len, backend, sizes, batch.num_rows)
+    kernels = kernel_impl(cfg, max_q_len, backend, sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = gather_labels(
             kernels.gather, x[batch.score_rows], params["final_norm"], head_weight(params),
-            batch.label_ids, shards, eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp)
+            batch.label_ids, shards, eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp,
+            num_rows=batch.num_rows, num_labels=batch.num_labels)
     return label_logits, lse, cache
 
 
-def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                kv_repeat: int = 1) -> KVCache:
-    shape = (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages, page_size, cfg.head_dim)
+def pool_head_dim(cfg: ModelConfig, backend: str) -> int:
+    """The KV pool's head dim. The TPU kernels need row-major pages, in which a head dim below
+    128 lanes takes a whole lane tile anyway; XLA would lay such a pool out another way and
+    convert it around every kernel call. So the pool is lane-aligned, and the padding shows."""
+    return lane_aligned(cfg.head_dim) if backend in TPU_BACKENDS else cfg.head_dim
+
+
+def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, kv_repeat: int = 1,
+                  head_dim: int | None = None) -> tuple[int, ...]:
+    """[layers, Hkv x kv_repeat, num_pages, page_size, head_dim (default the model's)]."""
+    return (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages, page_size,
+            head_dim or cfg.head_dim)
+
+
+def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, kv_repeat: int = 1,
+                head_dim: int | None = None) -> KVCache:
+    shape = kv_pool_shape(cfg, num_pages, page_size, kv_repeat, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -3,9 +3,10 @@ import importlib.util
 import os
 
 import jax.numpy as jnp
+from gguf import GGUFReader
 
-from model.config import ModelConfig
-from model.gguf_loader import load_gguf_model
+from model.config import ModelConfig, load_hf_config
+from model.gguf_loader import gguf_config, load_gguf_model
 from model.hf_loader import load_hf_model
 from model.tokenizer import TextTokenizer
 
@@ -26,11 +27,21 @@ def embedded_model_path() -> str:
     return path
 
 
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
 def load_model(path: str | None, dtype: str = "float32"
                ) -> tuple[ModelConfig, dict, TextTokenizer]:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = path or embedded_model_path()
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    if _is_gguf(path):
         return load_gguf_model(path, DTYPES[dtype])
     return load_hf_model(path, DTYPES[dtype])
+
+
+def load_config(path: str | None) -> ModelConfig:
+    """The model's config alone, without reading its weights."""
+    path = path or embedded_model_path()
+    return gguf_config(GGUFReader(path)) if _is_gguf(path) else load_hf_config(path)

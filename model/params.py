@@ -78,6 +78,17 @@ def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
     return params
 
 
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The shapes of `build_params`'s arrays, from the config alone (no checkpoint)."""
+    h, n = cfg.hidden_size, cfg.num_layers
+    layers = {key: (n, *(shape[::-1] if key in _LINEARS else shape))
+              for key, shape in expected_shapes(cfg).items()}
+    shapes = {"embed": (cfg.vocab_size, h), "layers": layers, "final_norm": (h,)}
+    if cfg.is_classifier or not cfg.tie_word_embeddings:
+        shapes["head"] = (cfg.output_size, h)
+    return shapes
+
+
 def head_weight(params: dict):
     """The output head [rows, H]: lm_head, the score head, or the tied embedding."""
     return params["head"] if "head" in params else params["embed"]

@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.batch import KVCache
@@ -34,6 +36,11 @@ class ShardPlan:
     @property
     def sharded(self) -> bool:
         return self.tp > 1
+
+
+def tp_mesh(devices) -> Mesh:
+    """One device group: a mesh of its devices along TP_AXIS (one device: a mesh of one)."""
+    return Mesh(np.array(devices), (TP_AXIS,))
 
 
 def shard_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
@@ -63,6 +70,13 @@ def repeat_kv_heads(params: dict, cfg: ModelConfig, repeat: int) -> dict:
     return {**params, "layers": layers}
 
 
+def repeat_kv_shapes(shapes: dict, repeat: int) -> dict:
+    """`repeat_kv_heads` on params' shapes (model.params.param_shapes)."""
+    layers = {k: (*s[:-1], s[-1] * repeat) if k in _KV else s
+              for k, s in shapes["layers"].items()}
+    return {**shapes, "layers": layers}
+
+
 def param_specs(params: dict, plan: ShardPlan) -> dict:
     def layer_spec(key):
         if key in _COLUMNS:
@@ -79,6 +93,27 @@ def param_specs(params: dict, plan: ShardPlan) -> dict:
 
 
 CACHE_SPECS = KVCache(P(None, TP_AXIS), P(None, TP_AXIS))  # [layers, Hkv, pages, page, D]
+
+
+def _row_major(mesh: Mesh, spec: P, ndim: int) -> Format:
+    return Format(Layout(tuple(range(ndim))), NamedSharding(mesh, spec))
+
+
+def param_placements(params: dict, plan: ShardPlan, mesh: Mesh) -> dict:
+    """Each param's sharding on `mesh`. The output head is also pinned row-major: the label
+    gather kernels read its rows from HBM, and XLA would store a head whose width is no
+    multiple of 128 lanes transposed, then transpose it back for every forward."""
+    specs = param_specs(params, plan)
+    placements = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                              is_leaf=lambda x: isinstance(x, P))
+    head = "head" if "head" in params else "embed"
+    placements[head] = _row_major(mesh, specs[head], 2)
+    return placements
+
+
+def cache_placements(mesh: Mesh) -> KVCache:
+    """Pages row-major, as the Pallas kernels DMA them (see model.decoder.pool_head_dim)."""
+    return KVCache(*(_row_major(mesh, spec, 5) for spec in CACHE_SPECS))
 
 
 def all_reduce(x, plan: ShardPlan):

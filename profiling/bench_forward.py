@@ -2,7 +2,8 @@
 v6e roofline of that work.
 
 python -m profiling.bench_forward [--model-path P] [--dtype float32] [--max-prefill-tokens 2048]
-    [--buckets 16,256,2048] [--with-logsumexp] [--repeats 3] [--trace-dir D] [--out fwd.json]
+    [--buckets 16,256,2048] [--kv-cache-tokens N] [--with-logsumexp] [--repeats 3]
+    [--trace-dir D] [--out fwd.json]
 Each bucket's batch is filled with SGLang-shaped sequences (a 120-token query, 10 items of 18
 tokens, 2 labels; the last sequence shorter) within the engine's sequence and row budgets, token
 ids from seed 0. The prefix cache is not involved: every token is computed.
@@ -39,6 +40,8 @@ def define_flags() -> None:
     flags.DEFINE_list("buckets", [], "token buckets to run; default: all of the engine's")
     flags.DEFINE_bool("with_logsumexp", True, "full-vocabulary probabilities (apply_softmax "
                       "false, SGLang's default); false: label logits only")
+    flags.DEFINE_integer("kv_cache_tokens", 0, "KV pool size in tokens (0: the server's "
+                         "default); a forward's time must not grow with it")
     flags.DEFINE_integer("repeats", 3, "timed forwards per bucket")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per bucket here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
@@ -72,7 +75,7 @@ def make_batch(engine: Engine, bucket: int, rng):
     rows = sum(len(s.score_rows) for s in seqs)
     labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
     shape = buckets.shape(sum(len(s.tokens) for s in seqs), rows, len(seqs))
-    batch = build_batch(entries, labels, shape, buckets.page_size, runner.num_slots,
+    batch = build_batch(entries, labels, shape, buckets.page_size, runner.num_pages,
                         runner.sizes)
     return batch, shape, seqs
 
@@ -113,6 +116,7 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                                       runner.sizes, with_lse, itemsize), seconds)})
     return {"model": engine.cfg.family, "layers": engine.cfg.num_layers,
             "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
+            "kv_pool_tokens": runner.num_pages * runner.buckets.page_size,
             "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,
             "timing": WALL_CLOCK + " of ModelRunner.run", "buckets": rows}
 
@@ -122,12 +126,14 @@ def main(argv) -> None:
     budget = FLAGS.max_prefill_tokens
     engine = Engine.from_path(FLAGS.model_path, EngineConfig(
         dtype=FLAGS.dtype, max_prefill_tokens=budget, max_seqs=min(64, budget),
-        max_rows=min(256, budget), prefix_cache=False, warmup=False))
+        max_rows=min(256, budget), kv_cache_tokens=FLAGS.kv_cache_tokens, prefix_cache=False,
+        warmup=False))
     buckets = [int(b) for b in FLAGS.buckets] or list(engine.runner.buckets.token_sizes())
     result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir)
     engine.close()
     print(f"{result['model']} {result['dtype']} on {result['device']} "
-          f"({result['attention_backend']} attention); timing: {result['timing']}")
+          f"({result['attention_backend']} attention, KV pool of {result['kv_pool_tokens']} "
+          f"tokens); timing: {result['timing']}")
     for r in result["buckets"]:
         print(f"bucket {r['bucket']:5d}: {r['tokens']:5d} tokens {r['rows']:3d} rows "
               f"{r['measured_s'] * 1e3:9.1f} ms {r['tokens_per_s']:8.0f} tok/s "

@@ -1,8 +1,9 @@
 """Host-side assembly of a ForwardBatch from scheduled sequences, padded to a BatchShape.
 
-Padding tokens write nowhere (slot out of range), padding sequences have no tokens and no
-KV, padding rows and labels are ignored. A sequence's first `cached` tokens already have
-K/V in its pages (a prefix-cache hit): only the rest are computed.
+Padding pages are written nowhere (page id out of the pool), padding sequences have no tokens
+and no KV, padding rows and labels are ignored. A sequence's first `cached` tokens, whole
+pages, already have K/V in its pages (a prefix-cache hit): only the rest are computed, and
+their K/V fill the following pages whole.
 """
 import dataclasses
 
@@ -38,9 +39,23 @@ def _pad(values, size: int, fill: int = 0) -> np.ndarray:
     return out
 
 
-def _slots(s: ScheduledSeq, page_size: int) -> list[int]:
-    return [s.pages[i // page_size] * page_size + i % page_size
-            for i in range(s.cached, len(s.seq.tokens))]
+def _written_pages(entries: list[ScheduledSeq], offsets: np.ndarray, shape: BatchShape,
+                   page_size: int, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pages the new tokens fill, and the packed token of each of their rows (a last
+    page's rows past its sequence repeat the sequence's last token)."""
+    pages, tokens = [], []
+    for e, first in zip(entries, offsets):
+        if e.cached % page_size:
+            raise ValueError(f"{e.cached} cached tokens are not whole pages of {page_size}")
+        n_pages = -(-e.new_tokens // page_size)
+        start = e.cached // page_size
+        pages += e.pages[start:start + n_pages]
+        rows = np.minimum(np.arange(n_pages * page_size), e.new_tokens - 1)
+        tokens.append(first + rows.reshape(n_pages, page_size))
+    table = np.zeros((shape.written_pages, page_size), np.int32)
+    if tokens:
+        table[:len(pages)] = np.concatenate(tokens)
+    return _pad(pages, shape.written_pages, fill=num_pages), table
 
 
 def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes | None):
@@ -64,7 +79,7 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes
 
 
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
-                page_size: int, num_slots: int, sizes: BlockSizes | None = None) -> ForwardBatch:
+                page_size: int, num_pages: int, sizes: BlockSizes | None = None) -> ForwardBatch:
     """With block `sizes`, the attention metadata carries the block plan."""
     attention, offsets = _attention(entries, shape, sizes)
     rows = [offsets[i] + r - e.cached for i, e in enumerate(entries) for r in e.seq.score_rows]
@@ -73,12 +88,14 @@ def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape:
     labels = np.zeros((shape.rows, shape.labels), np.int32)
     for i, ids in enumerate(row_labels):
         labels[i] = _pad(ids, shape.labels)
+    kv_pages, kv_page_tokens = _written_pages(entries, offsets, shape, page_size, num_pages)
     return ForwardBatch(
         tokens=_pad([t for e in entries for t in e.seq.tokens[e.cached:]], shape.tokens),
         positions=_pad([p for e in entries for p in e.seq.positions[e.cached:]], shape.tokens),
-        kv_slots=_pad([x for e in entries for x in _slots(e, page_size)], shape.tokens,
-                      fill=num_slots),
+        kv_pages=kv_pages,
+        kv_page_tokens=kv_page_tokens,
         attention=attention,
         score_rows=_pad(rows, shape.rows),
         label_ids=labels,
-        num_rows=np.int32(len(rows)))
+        num_rows=np.int32(len(rows)),
+        num_labels=np.int32(max(map(len, row_labels), default=0)))

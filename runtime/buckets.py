@@ -22,6 +22,7 @@ class BatchShape:
     pages_per_seq: int
     rows: int           # scored rows
     labels: int         # label ids per row
+    written_pages: int  # KV pages the new tokens fill (each sequence may end in a part page)
     q_blocks: int = 0   # attention plan sizes (0: no plan)
     steps: int = 0
 
@@ -57,7 +58,8 @@ class ShapeBuckets:
         pages = pages_needed(self.max_kv_len, self.page_size)
         plan = (0, 0) if self.sizes is None else max_plan_size(
             tokens, seqs, pages * self.page_size, self.sizes)
-        return BatchShape(tokens, seqs, pages, rows, self.max_labels, *plan)
+        written = pages_needed(tokens, self.page_size) + seqs
+        return BatchShape(tokens, seqs, pages, rows, self.max_labels, written, *plan)
 
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.max_tokens)) for t in self.token_sizes()]

@@ -49,10 +49,10 @@ def agree(value: int) -> int:
 class StepChannel:
     """Node 0 publishes each forward's step; the other nodes receive them in the same order."""
 
-    def __init__(self, buckets: ShapeBuckets, num_slots: int):
+    def __init__(self, buckets: ShapeBuckets, num_pages: int):
         self.shapes = buckets.all_shapes()
         self._empty = {}  # shape -> the padded batch the other nodes receive into
-        self._empty_args = (buckets.page_size, num_slots, buckets.sizes)
+        self._empty_args = (buckets.page_size, num_pages, buckets.sizes)
 
     def publish(self, shape: BatchShape, with_lse: bool, batch: ForwardBatch) -> None:
         self._header(_FORWARD, self.shapes.index(shape), with_lse)

@@ -1,6 +1,7 @@
 """Scoring engine (SPEC §3-§5): validate, tokenize and pack a request into units of work for
 a replica's scheduler, which batches them with other requests' units on its devices."""
 import concurrent.futures
+import functools
 import hashlib
 
 import jax
@@ -12,9 +13,11 @@ from model.tokenizer import TextTokenizer
 from runtime.distributed import StepChannel, agree, follow
 from runtime.engine_config import EngineConfig
 from runtime.errors import ScoreError
+from runtime.forward_programs import server_programs
 from runtime.job import Job, ScoreResult, Unit
 from runtime.model_runner import ModelRunner
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
+from runtime.pool_size import DeviceMemory, kv_pool_pages
 from runtime.request import ScoreRequest, check_token_range, parse_score_request
 from runtime.router import Router
 from runtime.scheduler import Scheduler
@@ -29,16 +32,17 @@ class Engine:
         if multihost and engine_cfg.dp_size > 1:
             raise ValueError("--dp-size > 1 across hosts is not supported: run one server per "
                              "host group behind a load balancer")
-        buckets = engine_cfg.buckets(cfg)
-        pages = engine_cfg.num_pages(cfg, sum(w.nbytes for w in jax.tree.leaves(params)))
+        groups = engine_cfg.device_groups()
+        device, dtype = groups[0][0], DTYPES[engine_cfg.dtype]
+        backend, buckets = engine_cfg.backend(device), engine_cfg.buckets(cfg, device)
+        probe = functools.partial(server_programs, engine_cfg, cfg, groups[0])
+        pages = kv_pool_pages(engine_cfg, probe, DeviceMemory.of(device))
         if multihost:
             pages = agree(pages)
-        runners = [ModelRunner(cfg, params, buckets, pages, DTYPES[engine_cfg.dtype],
-                               engine_cfg.backend(), group)
-                   for group in engine_cfg.device_groups()]
-        self.channel = StepChannel(buckets, runners[0].num_slots) if multihost else None
-        if self.channel and jax.process_index() == 0:
-            runners[0].publish = self.channel.publish
+        self.channel = StepChannel(buckets, pages) if multihost else None
+        publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
+        runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish)
+                   for group in groups]  # across hosts, dp_size is 1: one runner publishes
         if engine_cfg.warmup:
             for runner in runners:
                 runner.warm_up()

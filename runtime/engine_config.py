@@ -2,16 +2,12 @@
 import dataclasses
 
 import jax
-import numpy as np
 
 from kernels.attention_plan import BlockSizes, default_block_sizes
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS
 from model.loader import DTYPES
-from model.sharding import shard_plan
 from runtime.buckets import ShapeBuckets, pages_needed
-
-CPU_KV_TOKENS_PER_BATCH = 4  # default pool on CPU: this many full batches of tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +18,8 @@ class EngineConfig:
     max_seqs: int = 64              # sequences in one forward
     max_rows: int = 256             # scored items in one forward
     max_labels: int = 64            # label ids of one request
-    kv_cache_tokens: int = 0        # KV pool size; 0: mem_fraction of free accelerator memory
-    mem_fraction: float = 0.8       # (on CPU: CPU_KV_TOKENS_PER_BATCH batches)
+    kv_cache_tokens: int = 0        # KV pool size; 0: sized by runtime.pool_size
+    mem_fraction: float = 0.8       # share of accelerator memory for params, pool and temp
     prefix_cache: bool = True
     warmup: bool = True             # compile every shape bucket at start-up
     attention_backend: str = "auto"  # "auto": the Pallas kernels on TPU, the XLA path elsewhere
@@ -61,41 +57,26 @@ class EngineConfig:
                              f"{len(devices)} {jax.default_backend()} devices are visible")
         return [devices[r * tp:(r + 1) * tp] for r in range(self.dp_size)]
 
-    def backend(self) -> str:
+    def backend(self, device) -> str:
+        """The kernels for `device` (a jax Device, or a deviceless topology's)."""
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "pallas" if jax.default_backend() == "tpu" else "xla"
+        return "pallas" if device.platform == "tpu" else "xla"
 
-    def block_sizes(self) -> BlockSizes | None:
-        backend = self.backend()
+    def block_sizes(self, device) -> BlockSizes | None:
+        backend = self.backend(device)
         if backend == "reference":
             return None
-        device = jax.devices()[0].device_kind if backend != "xla" else "xla"
-        default = default_block_sizes(device, self.page_size)
+        kind = device.device_kind if backend != "xla" else "xla"
+        default = default_block_sizes(kind, self.page_size)
         sizes = BlockSizes(self.q_block or default.q_block, self.kv_block or default.kv_block)
         sizes.check(self.page_size)
         return sizes
 
-    def buckets(self, cfg: ModelConfig) -> ShapeBuckets:
+    def buckets(self, cfg: ModelConfig, device) -> ShapeBuckets:
         labels = cfg.num_labels if cfg.is_classifier else self.max_labels
         return ShapeBuckets(self.max_prefill_tokens, self.max_seqs, self.max_rows, labels,
-                            self.max_prompt_tokens(cfg), self.page_size, self.block_sizes())
+                            self.max_prompt_tokens(cfg), self.page_size, self.block_sizes(device))
 
     def max_prompt_tokens(self, cfg: ModelConfig) -> int:
         return min(cfg.max_context, self.max_prefill_tokens)
-
-    def num_pages(self, cfg: ModelConfig, param_bytes: int) -> int:
-        """KV pages of each replica; `param_bytes`: the whole model's, still on the host."""
-        tokens = self.kv_cache_tokens or self._auto_kv_tokens(cfg, param_bytes)
-        return pages_needed(max(tokens, self.min_kv_tokens), self.page_size)
-
-    def _auto_kv_tokens(self, cfg: ModelConfig, param_bytes: int) -> int:
-        stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-        if not stats or "bytes_limit" not in stats:
-            return CPU_KV_TOKENS_PER_BATCH * self.max_prefill_tokens
-        free = (stats["bytes_limit"] * self.mem_fraction - stats.get("bytes_in_use", 0)
-                - param_bytes / self.tp_size)
-        kv_heads = cfg.num_kv_heads * shard_plan(cfg, self.tp_size).kv_repeat / self.tp_size
-        per_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * np.dtype(
-            DTYPES[self.dtype]).itemsize
-        return max(0, int(free // per_token))

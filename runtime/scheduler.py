@@ -147,7 +147,7 @@ class Scheduler:
                                        len(entries))
             with jax.profiler.TraceAnnotation("build_batch"):
                 forward = build_batch(entries, labels, shape, self.buckets.page_size,
-                                      self.runner.num_slots, self.runner.sizes)
+                                      self.runner.num_pages, self.runner.sizes)
             with jax.profiler.TraceAnnotation("forward"):
                 logits, lse = self.runner.run(forward, shape, with_lse)
         except Exception as e:  # this batch fails; the runtime goes on

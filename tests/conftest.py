@@ -10,6 +10,10 @@ from tests.tiny_models import FAMILIES, write_checkpoint
 # Eight CPU devices for the tensor and data parallel tests; set before JAX starts its backend.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+# The compile tests open libtpu for a deviceless TPU topology (profiling.tpu_compile); libtpu
+# allows one process at a time unless told otherwise, and the suite's subprocesses (servers,
+# multi-host nodes) load it too. There is no TPU here for two processes to contend for.
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 
 @pytest.fixture(scope="session")

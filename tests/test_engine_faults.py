@@ -32,7 +32,7 @@ def test_failure_after_cache_donation_does_not_break_later_requests(engine, monk
         cache.v.delete()
         raise RuntimeError("device fault")
 
-    monkeypatch.setattr(engine.runner, "_program", lambda *a: failing_program)
+    monkeypatch.setattr(engine.runner.programs, "get", lambda *a: failing_program)
     with pytest.raises(ScoreError, match="device fault") as err:
         engine.score("a query", ["x", "yz"], [1, 2])
     assert err.value.status == 500

@@ -1,4 +1,5 @@
-"""The Pallas KV page-write kernel vs the XLA scatter, in TPU interpret mode on CPU."""
+"""The Pallas KV page-write kernel vs the XLA scatter, in TPU interpret mode on CPU, and
+compiled for TPU v6e."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +8,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.ragged_paged_attention import write_kv_pages
-from tests.tpu_lowering import tpu_export
+from model.decoder import pool_head_dim
+from profiling.tpu_compile import SIZED_MODELS, compile_for_v6e, hbm_bytes, mosaic_kernels
 
-SHAPE = (2, 2, 6, 8, 64)  # layers, Hkv, pages, page size, head dim
+SHAPE = (2, 2, 12, 8, 64)  # layers, Hkv, pages, page size, head dim
 
 
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
@@ -18,33 +20,38 @@ def test_kernel_writes_like_the_scatter(mode, dtype):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal(SHAPE), dtype) for _ in range(2))
-    k_new, v_new = (jnp.asarray(rng.standard_normal((13, 2, 64)), jnp.float32) for _ in range(2))
-    slots = jnp.asarray(list(rng.permutation(48)[:11]) + [48, 48], jnp.int32)  # 2 padding
-    want = write_kv_pages(k, v, 1, k_new, v_new, slots)
+    blocks = [jnp.asarray(rng.standard_normal((11, 2, 8, 64)), jnp.float32) for _ in range(2)]
+    page_ids = jnp.asarray(list(rng.permutation(12)[:9]) + [12, 12], jnp.int32)  # 2 padding
+    want = write_kv_pages(k, v, 1, *blocks, page_ids)
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
-    got = write_kv_pages_kernel(k, v, 1, k_new, v_new, slots, tokens_per_step=8,
-                                interpret=params)
+    got = write_kv_pages_kernel(k, v, 1, *blocks, page_ids, pages_per_step=4, interpret=params)
     assert not interpret_pallas_call.races.races_found
-    for g, w in zip(got, want):
+    for g, w, old in zip(got, want, (k, v)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        assert not np.array_equal(np.asarray(g[1], np.float32), np.asarray(old[1], np.float32))
 
 
 def test_kernel_rejects_bad_shapes():
     pages = jnp.zeros(SHAPE)
     with pytest.raises(ValueError, match="do not fit"):
-        write_kv_pages_kernel(pages, pages, 0, jnp.zeros((4, 2, 32)), jnp.zeros((4, 2, 32)),
+        write_kv_pages_kernel(pages, pages, 0, jnp.zeros((4, 2, 4, 64)), jnp.zeros((4, 2, 4, 64)),
                               jnp.zeros(4, jnp.int32))
 
 
+@pytest.mark.parametrize("model", SIZED_MODELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("hkv, d, page", [(3, 64, 16), (8, 128, 128)])
-def test_kernel_lowers_for_tpu(dtype, hkv, d, page):
+@pytest.mark.parametrize("page", [16, 128])
+def test_kernel_compiles_for_v6e_and_writes_in_place(model, dtype, page):
+    """The whole grid through Mosaic's compiler (a second each): whole pages start on a tile
+    boundary, and the donated pool is updated in place (no temp the size of the pool)."""
+    cfg = SIZED_MODELS[model]
     sds = jax.ShapeDtypeStruct
-    pages = sds((28, hkv, 64, page, d), dtype)
-    new = sds((256, hkv, d), dtype)
-
-    def fn(k, v, layer, k_new, v_new, slots):
-        return write_kv_pages_kernel(k, v, layer, k_new, v_new, slots)
-
-    mlir = tpu_export(fn, pages, pages, sds((), jnp.int32), new, new, sds((256,), jnp.int32))
-    assert "tpu_custom_call" in mlir
+    pages = sds((cfg.num_layers, cfg.num_kv_heads, 256, page, pool_head_dim(cfg, "pallas")),
+                dtype)
+    blocks = sds((40, *pages.shape[1:2], page, pages.shape[-1]), dtype)
+    compiled = compile_for_v6e(write_kv_pages_kernel, pages, pages, sds((), jnp.int32), blocks,
+                               blocks, sds((40,), jnp.int32), donate_argnums=(0, 1))
+    assert mosaic_kernels(compiled) == ["write_kv_pages"]
+    memory = hbm_bytes(compiled)
+    assert memory["alias"] == 2 * pages.size * pages.dtype.itemsize
+    assert memory["temp"] < memory["alias"] // 10

@@ -1,5 +1,5 @@
-"""The fused RMSNorm + label gather kernels (TPU interpret mode on CPU) and the row-blocked
-XLA path vs the reference."""
+"""The fused RMSNorm + label gather kernels (TPU interpret mode on CPU, and compiled for TPU
+v6e) and the row-blocked XLA path vs the reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
-from kernels.label_gather_kernel import final_norm_label_gather
-from tests.tpu_lowering import tpu_export
+from kernels.label_gather_kernel import final_norm_label_gather, label_tiles_pay
+from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
 
 CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)
     (1, 1, 49152, True, jnp.float32), (7, 16, 151936, True, jnp.float32),
@@ -16,6 +16,7 @@ CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)
     (1, 1, 49152, False, jnp.float32), (7, 2, 151936, False, jnp.float32),
     (64, 16, 151669, False, jnp.bfloat16), (1, 128, 49152, False, jnp.float32),
     (64, 128, 151936, False, jnp.float32),
+    (64, 128, 49152, False, jnp.float32),  # tiles would outweigh the head: streamed instead
 ]
 
 
@@ -74,7 +75,36 @@ def test_xla_path_computes_the_first_rows(num_rows, with_lse):
         assert got[1] is None
 
 
-QWEN3 = dict(rows=64, vocab=151936, width=1024)
+@pytest.mark.parametrize("with_lse", [True, False])
+def test_padded_rows_and_labels_are_skipped(with_lse):
+    """Only the first num_rows rows and num_labels labels are real; the rest come back 0."""
+    args = inputs(np.random.default_rng(7), 20, 5, 4096, jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=with_lse)
+    want = final_norm_label_gather_reference(*args, **kw)
+    got = final_norm_label_gather(*args, **kw, num_rows=11, num_labels=3, vocab_tile=1024,
+                                  interpret=pltpu.InterpretParams())
+    np.testing.assert_allclose(got[0][:11, :3], want[0][:11, :3], rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[0][:, 3:]).any()
+    if not with_lse:  # label tiles: whole row blocks past num_rows are not computed
+        assert not np.asarray(got[0][16:]).any()
+
+
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_label_tiles_have_no_dma_races(mode):
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    args = inputs(np.random.default_rng(8), 9, 3, 2048, jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=False)
+    want = final_norm_label_gather_reference(*args, **kw)
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    got = final_norm_label_gather(*args, **kw, interpret=params)
+    assert not interpret_pallas_call.races.races_found
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_label_tiles_pay_while_fewer_than_the_head():
+    assert label_tiles_pay(64, 2, 151936)          # 1024 head rows read instead of 151936
+    assert not label_tiles_pay(256, 128, 151936)   # 262144 rows of tiles: stream it instead
+    assert not label_tiles_pay(64, 128, 49152)
 
 
 def shapes(rows, vocab, width, n_labels=2, dtype=jnp.bfloat16):
@@ -83,24 +113,37 @@ def shapes(rows, vocab, width, n_labels=2, dtype=jnp.bfloat16):
             sds((rows, n_labels), jnp.int32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_lse", [True, False])
-@pytest.mark.parametrize("vocab, width", [(151936, 1024), (49152, 576), (151669, 896)])
-def test_kernel_lowers_for_tpu(with_lse, vocab, width):
-    mlir = tpu_export(lambda *a: final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse),
-                      *shapes(64, vocab, width))
-    assert "tpu_custom_call" in mlir
+@pytest.mark.parametrize("vocab, width", [(151936, 1024), (49152, 576), (151936, 896),
+                                          (128256, 2048), (151669, 896)])
+def test_kernel_compiles_for_v6e(with_lse, vocab, width, dtype):
+    """The whole grid (the four models' heads, an odd vocabulary, both modes and dtypes) through
+    Mosaic's compiler: a few tenths of a second each. Real rows and labels are runtime data,
+    as in the server."""
+    def gather(hidden, norm, head, labels, num_rows, num_labels):
+        return final_norm_label_gather(hidden, norm, head, labels, eps=1e-6,
+                                       with_logsumexp=with_lse, num_rows=num_rows,
+                                       num_labels=num_labels)
+
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    compiled = compile_for_v6e(gather, *shapes(64, vocab, width, dtype=dtype), count, count)
+    tiles = not with_lse and vocab % 8 == 0  # both kernels, chosen at run time
+    assert mosaic_kernels(compiled) == (["label_gather_rows", "label_gather_streamed"] if tiles
+                                        else ["label_gather_streamed"])
 
 
-@pytest.mark.parametrize("with_lse", [True, False])
-def test_kernel_path_holds_no_rows_by_vocab_buffer(with_lse):
-    full = f"tensor<{QWEN3['rows']}x{QWEN3['vocab']}x"
-    kernel = tpu_export(lambda *a: final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse),
-                        *shapes(**QWEN3))
-    assert "tpu_custom_call" in kernel and full not in kernel
-    reference = tpu_export(
+def test_compiled_kernels_hold_no_rows_by_vocab_buffer():
+    full = "f32[64,151936]"
+    for with_lse in (True, False):
+        kernel = compile_for_v6e(
+            lambda *a: final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse),
+            *shapes(64, 151936, 1024))
+        assert full not in kernel.as_text()
+    reference = compile_for_v6e(
         lambda *a: final_norm_label_gather_reference(*a, eps=1e-6, with_logsumexp=True),
-        *shapes(**QWEN3))
-    assert full in reference
+        *shapes(64, 151936, 1024))
+    assert full in reference.as_text()
 
 
 def test_streamed_mode_over_several_row_blocks():

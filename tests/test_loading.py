@@ -3,18 +3,37 @@ import json
 import os
 import shutil
 
+import jax
+import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from model.config import config_from_hf
-from model.loader import load_model
-from tests.tiny_models import hf_config
+from model.loader import load_config, load_model
+from model.params import param_shapes
+from model.sharding import repeat_kv_heads, repeat_kv_shapes
+from tests.tiny_models import FAMILIES, hf_config
 
 
 def copy_of(model_dirs, family, tmp_path):
     dst = tmp_path / family
     shutil.copytree(model_dirs[family], dst)
     return str(dst)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shapes_from_the_config_alone_are_the_loaded_ones(model_dirs, family):
+    """What the deviceless compile checks build programs from (no weights) is what loads."""
+    cfg, params, _ = load_model(model_dirs[family])
+    assert load_config(model_dirs[family]) == cfg
+    shapes = lambda tree: jax.tree.map(np.shape, tree)  # noqa: E731
+    assert shapes(params) == param_shapes(cfg)
+    assert shapes(repeat_kv_heads(params, cfg, 2)) == repeat_kv_shapes(param_shapes(cfg), 2)
+
+
+def test_embedded_config_without_its_weights():
+    cfg = load_config(None)
+    assert (cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.head_dim) == (49152, 30, 9, 64)
 
 
 def test_sharded_checkpoint_loads(model_dirs):

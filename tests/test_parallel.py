@@ -1,26 +1,15 @@
 """Tensor and data parallelism on eight CPU devices (see conftest): the scores of one device."""
 import concurrent.futures
 import dataclasses
-import functools
 import subprocess
 import sys
 import types
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-from model.decoder import empty_cache, score_forward
 from model.loader import load_model
-from model.sharding import (
-    CACHE_SPECS,
-    param_specs,
-    repeat_kv_heads,
-    shard_forward,
-    shard_plan,
-)
-from runtime.batch_builder import build_batch
+from model.sharding import shard_plan
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.router import Router
@@ -28,7 +17,6 @@ from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.conftest import small_config
 from tests.server_harness import call, metric, serving
 from tests.tiny_models import FAMILIES, KV_HEADS, VOCAB, write_checkpoint
-from tests.tpu_lowering import abstract_tpu_mesh, tpu_export_sharded
 
 LABELS = [5, 100, 250, VOCAB - 1]  # across the vocabulary shards
 
@@ -98,26 +86,6 @@ def test_pallas_kernels_in_shard_map_run_in_the_tpu_interpreter(engines, make):
                label_token_ids=LABELS)  # logsumexp: the streamed kernel per vocabulary shard
     assert_same_scores([engine.score(**req).scores], [engines["qwen2"].score(**req).scores],
                        "qwen2")
-
-
-def test_sharded_forward_lowers_for_a_tpu_v6e_4_mesh(model_dirs):
-    cfg, params, _ = load_model(model_dirs["qwen3"])
-    ec = small_config(tp_size=4, attention_backend="pallas", q_block=16, kv_block=16)
-    buckets, plan = ec.buckets(cfg), shard_plan(cfg, 4)
-    params, shape = repeat_kv_heads(params, cfg, plan.kv_repeat), buckets.shape(64)
-    cache = jax.eval_shape(functools.partial(empty_cache, cfg, 64, 8, np.float32, plan.kv_repeat))
-    batch = build_batch([], [], shape, 8, 64 * 8, buckets.sizes)
-    forward = functools.partial(score_forward, cfg=cfg, max_q_len=shape.tokens,
-                                with_logsumexp=True, backend="pallas", sizes=buckets.sizes,
-                                shards=plan)
-    mesh = abstract_tpu_mesh(4, "tp")
-    exported = tpu_export_sharded(shard_forward(forward, mesh, params, plan), mesh,
-                                  (params, cache, batch),
-                                  (param_specs(params, plan), CACHE_SPECS, P()))
-    text = exported.mlir_module()
-    assert exported.nr_devices == 4
-    assert text.count("tpu_custom_call") == 3  # KV write, attention, label gather
-    assert text.count("all_reduce") >= 5  # embedding, two per layer, label logits, logsumexp
 
 
 @pytest.mark.parametrize("tp, dp, devices", [(3, 1, "num_heads=4"), (1, 9, "needs 9 devices")])

@@ -59,7 +59,7 @@ def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
         assert b["labels_only"] < b["streamed_logsumexp"] < b["full_logits_baseline"]
         assert b["full_logits_baseline"] - b["streamed_logsumexp"] >= 2 * rows * vocab * 4 - 4 * (
             rows * 3)
-        assert modes["labels_only"]["flops"] == 2 * rows * 2 * 64
+        assert modes["labels_only"]["flops"] == 2 * rows * 2 * 64 * 8  # a tile of 8 head rows
         for row in modes.values():
             assert row["measured_s"] > 0 and 0 < row["v6e_fraction"] < 1
     assert len(list(tmp_path.rglob("*.xplane.pb"))) == 4 * len(MODES)  # a trace per measurement
@@ -181,3 +181,21 @@ def test_kernel_study_clis_write_json_and_traces(study, args, tmp_path):
     result = json.loads(out.read_text())
     assert result["timing"].startswith("wall clock") and "timing: wall clock" in done.stdout
     assert list(traces.rglob("*.xplane.pb"))
+
+
+def test_bench_tpu_compile_cli_reports_memory_and_compiler_estimates(tmp_path):
+    out = tmp_path / "tpu_compile.json"
+    done = subprocess.run([sys.executable, "-m", "profiling.bench_tpu_compile", "--models",
+                           "SmolLM2-135M", "--buckets", "16", "--max-prefill-tokens", "512",
+                           "--out", str(out)], check=True, capture_output=True, text=True,
+                          timeout=600)
+    assert "compiler estimates" in done.stdout
+    (model,) = json.loads(out.read_text())["models"]
+    assert model["pool_bytes_per_chip"] > 20 * 2**30  # a 32 GiB chip, less 0.3 GB of weights
+    assert [(c["bucket"], c["with_logsumexp"]) for c in model["cases"]] == [(16, False),
+                                                                            (16, True)]
+    for case in model["cases"]:
+        assert case["hbm"]["alias"] == model["pool_bytes_per_chip"]
+        assert case["hbm"]["temp"] < 2**20 * 16 and case["compile_s"] > 0
+        assert case["xla"]["flops"] > 0 and case["xla"]["optimal_s"] > 0
+        assert case["roofline"]["v6e_roofline_s"] > 0

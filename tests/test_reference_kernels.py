@@ -6,6 +6,7 @@ import pytest
 from kernels.label_gather import final_norm_label_gather_reference
 from kernels.ragged_paged_attention import (
     AttentionMetadata,
+    page_blocks,
     ragged_paged_attention_reference,
     write_kv_pages,
 )
@@ -63,14 +64,23 @@ def test_attention_reference_matches_mask_rule():
     assert np.isfinite(np.asarray(got)).all()
 
 
-def test_write_kv_pages_writes_slots_and_drops_padding():
+def test_write_kv_pages_writes_whole_pages_and_drops_padding():
     k = jnp.zeros((LAYERS, HKV, PAGES, PAGE, D))
-    new = jnp.arange(3 * HKV * D, dtype=jnp.float32).reshape(3, HKV, D) + 1
-    slots = jnp.array([5 * PAGE + 1, 2 * PAGE + 3, PAGES * PAGE])  # the last one is padding
-    k2, v2 = write_kv_pages(k, k, 1, new, -new, slots)
-    np.testing.assert_array_equal(k2[1, :, 5, 1], new[0])
-    np.testing.assert_array_equal(v2[1, :, 2, 3], -new[1])
+    new = jnp.arange(3 * HKV * PAGE * D, dtype=jnp.float32).reshape(3, HKV, PAGE, D) + 1
+    pages = jnp.array([5, 2, PAGES])  # the last one is padding
+    k2, v2 = write_kv_pages(k, k, 1, new, -new, pages)
+    np.testing.assert_array_equal(k2[1, :, 5], new[0])
+    np.testing.assert_array_equal(v2[1, :, 2], -new[1])
     assert float(jnp.abs(k2).sum()) == float(jnp.abs(new[:2]).sum())
+
+
+def test_page_blocks_lay_tokens_out_as_pages():
+    new = jnp.arange(5 * HKV * D, dtype=jnp.float32).reshape(5, HKV, D)
+    page_tokens = jnp.array([[3, 4] + [4] * (PAGE - 2), list(range(PAGE))]) % 5
+    blocks = page_blocks(new, page_tokens)
+    assert blocks.shape == (2, HKV, PAGE, D)
+    np.testing.assert_array_equal(blocks[0, :, 1], new[4])
+    np.testing.assert_array_equal(blocks[1, :, 2], new[2])
 
 
 def test_attention_rejects_bad_shapes():

@@ -1,0 +1,70 @@
+"""Compiling for TPU v6e on a machine without a TPU: the real TPU compiler (libtpu, Mosaic
+included) against a deviceless v6e topology.
+
+Lowering (`jax.export`) stops before Mosaic; this catches what only the compiler sees: a DMA or
+slice that does not start on a tile boundary, VMEM overflow, and what a program holds in HBM
+(`memory_analysis()`: a buffer copied on every call shows up as temp).
+"""
+import re
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.config import ModelConfig
+
+V6E_HBM_BYTES = 32 * 2**30  # one v6e chip
+
+# Sized as the HF checkpoints' config.json, in ModelConfig's field order: family, vocab,
+# hidden, intermediate, layers, heads, KV heads, head_dim, rope theta, RMS eps, context.
+# Llama-3.2-1B without its rope scaling, which the package does not serve. Shapes for
+# compiling: no weights.
+SIZED_MODELS = {
+    "SmolLM2-135M": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192,
+                                tie_word_embeddings=True),
+    "Qwen3-0.6B": ModelConfig("qwen3", 151936, 1024, 3072, 28, 16, 8, 128, 1e6, 1e-6, 40960,
+                              tie_word_embeddings=True),
+    "Qwen2.5-0.5B": ModelConfig("qwen2", 151936, 896, 4864, 24, 14, 2, 64, 1e6, 1e-6, 32768,
+                                tie_word_embeddings=True, qkv_bias=True),
+    "Llama-3.2-1B": ModelConfig("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5,
+                                131072, tie_word_embeddings=True),
+}
+
+
+def v6e_devices(chips: int = 1) -> list:
+    """The devices of a deviceless v6e topology: one chip (1x1) or four (2x2)."""
+    if chips == 1:  # plain "v6e:1x1" does not divide the default 2x2x1 chips per host
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name="v6e:1x1", chip_config_name="default",
+            chips_per_host_bounds=(1, 1, 1), num_slices=1)
+    elif chips == 4:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2")
+    else:
+        raise ValueError(f"a v6e topology of 1 or 4 chips, not {chips}")
+    return list(topology.devices)
+
+
+def compile_for_v6e(fn, *args, donate_argnums=()) -> jax.stages.Compiled:
+    """`fn(*args)` compiled for one v6e chip; `args` are arrays or ShapeDtypeStructs (trees)."""
+    chip = NamedSharding(Mesh(np.array(v6e_devices(1)), ("x",)), P())
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=chip), args)
+    return jax.jit(fn, donate_argnums=donate_argnums).lower(*structs).compile()
+
+
+def hbm_bytes(compiled: jax.stages.Compiled) -> dict:
+    """Per device: what a program's arguments, outputs and temp take, and how much of the
+    outputs reuse (alias) donated arguments."""
+    m = compiled.memory_analysis()
+    return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+            "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+            "total": (m.argument_size_in_bytes + m.output_size_in_bytes
+                      - m.alias_size_in_bytes + m.temp_size_in_bytes)}
+
+
+def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:
+    """The Pallas kernels a compiled TPU program calls, by name (`pallas_call(name=...)`)."""
+    calls = (line for line in compiled.as_text().splitlines()
+             if 'custom_call_target="tpu_custom_call"' in line)
+    return sorted({m.group(1) for line in calls if (m := re.search(r"%(\w+?)(\.\d+)? = ", line))})

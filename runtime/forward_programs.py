@@ -1,0 +1,121 @@
+"""The compiled forwards of one device group: one program per (BatchShape, with_logsumexp),
+compiled ahead of time and explicitly, so every compilation is counted and a batch never
+silently retraces.
+
+Built from placed arrays (ModelRunner) or from the model's shapes alone (`abstract_programs`),
+the lowering is the same: a program compiled here for a deviceless TPU topology is the one a
+server on that TPU runs.
+"""
+import concurrent.futures
+import functools
+import os
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.batch import KVCache
+from model.config import ModelConfig
+from model.decoder import kv_pool_shape, pool_head_dim, score_forward
+from model.loader import DTYPES
+from model.params import param_shapes
+from model.sharding import (
+    ShardPlan,
+    cache_placements,
+    param_placements,
+    repeat_kv_shapes,
+    shard_forward,
+    shard_plan,
+    tp_mesh,
+)
+from runtime.batch_builder import build_batch
+from runtime.buckets import BatchShape, ShapeBuckets
+from runtime.engine_config import EngineConfig
+
+
+def _abstract(tree):
+    """Arrays as ShapeDtypeStructs that keep their sharding and layout."""
+    def one(x):
+        return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.format)
+    return jax.tree.map(one, tree)
+
+
+class ForwardPrograms:
+    def __init__(self, cfg: ModelConfig, buckets: ShapeBuckets, backend: str, mesh,
+                 shards: ShardPlan, params: dict, cache: KVCache):
+        """`params` and `cache`: arrays, or jax.ShapeDtypeStructs placed (sharding and layout)
+        as the arrays the programs will be given."""
+        self.cfg, self.buckets, self.backend = cfg, buckets, backend
+        self.mesh, self.shards = mesh, shards
+        self._params, self._cache = _abstract(params), _abstract(cache)
+        self._programs = {}
+        self._lock = threading.Lock()
+        self.compile_count = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self._cache.k.shape[2]
+
+    @property
+    def pool_bytes(self) -> int:
+        """The KV pool on one device."""
+        k = self._cache.k
+        return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
+
+    def lower(self, shape: BatchShape, with_lse: bool) -> jax.stages.Lowered:
+        forward = functools.partial(
+            score_forward, cfg=self.cfg, max_q_len=shape.tokens, with_logsumexp=with_lse,
+            backend=self.backend, sizes=self.buckets.sizes, shards=self.shards)
+        sharded = shard_forward(forward, self.mesh, self._params, self.shards)
+        batch = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
+                            self.buckets.sizes)
+        replicated = NamedSharding(self.mesh, P())
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), np.asarray(x).dtype, sharding=replicated), batch)
+        return jax.jit(sharded, donate_argnums=1).lower(self._params, self._cache, batch)
+
+    def get(self, shape: BatchShape, with_lse: bool) -> jax.stages.Compiled:
+        key = (shape, with_lse)
+        if key not in self._programs:
+            program = self.lower(shape, with_lse).compile()
+            with self._lock:
+                self._programs[key] = program
+                self.compile_count += 1
+        return self._programs[key]
+
+    def warm_up(self, threads: int = os.cpu_count() or 1,
+                shapes: list[BatchShape] | None = None) -> None:
+        """Compiles `shapes` (default: every bucket), with and without the logsumexp, on
+        `threads` threads (XLA compiles outside the GIL)."""
+        shapes = self.buckets.all_shapes() if shapes is None else shapes
+        jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda job: self.get(*job), jobs))
+
+
+def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: str, devices,
+                      num_pages: int) -> ForwardPrograms:
+    """The programs a ModelRunner on `devices` compiles, from the model's shapes: no weights,
+    and `devices` may be a deviceless topology's (jax.experimental.topologies)."""
+    shards, mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
+    shapes = repeat_kv_shapes(param_shapes(cfg), shards.kv_repeat)
+    params = jax.tree.map(lambda shape, placement: jax.ShapeDtypeStruct(shape, dtype,
+                                                                       sharding=placement),
+                          shapes, param_placements(shapes, shards, mesh),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    pool = kv_pool_shape(cfg, num_pages, buckets.page_size, shards.kv_repeat,
+                         pool_head_dim(cfg, backend))
+    cache = KVCache(*(jax.ShapeDtypeStruct(pool, dtype, sharding=placement)
+                      for placement in cache_placements(mesh)))
+    return ForwardPrograms(cfg, buckets, backend, mesh, shards, params, cache)
+
+
+def server_programs(engine_cfg: EngineConfig, cfg: ModelConfig, devices,
+                    num_pages: int) -> ForwardPrograms:
+    """The programs a server with `engine_cfg` compiles for a replica on `devices`."""
+    device = devices[0]
+    return abstract_programs(cfg, DTYPES[engine_cfg.dtype], engine_cfg.buckets(cfg, device),
+                             engine_cfg.backend(device), devices, num_pages)

@@ -1,0 +1,39 @@
+"""Padded batches: the whole pages new K/V fill, and the real counts the kernels loop over."""
+import numpy as np
+import pytest
+
+from runtime.batch_builder import ScheduledSeq, build_batch
+from runtime.buckets import ShapeBuckets
+from runtime.packing import causal_sequence, multi_item_sequence
+
+PAGE, NUM_PAGES = 8, 40
+BUCKETS = ShapeBuckets(max_tokens=64, max_seqs=4, max_rows=8, max_labels=3, max_kv_len=64,
+                       page_size=PAGE)
+
+
+def test_new_tokens_fill_whole_pages_after_the_cached_ones():
+    query = multi_item_sequence(list(range(20)), [[1, 2], [3, 4, 5]])  # 25 tokens
+    entries = [ScheduledSeq(query, [7, 3, 9, 12], cached=16),  # 2 cached pages, 9 new tokens
+               ScheduledSeq(causal_sequence([5] * 5), [30])]
+    shape = BUCKETS.shape(9 + 5, 3, 2)
+    batch = build_batch(entries, [[1, 2], [3], [4, 5, 6]], shape, PAGE, NUM_PAGES)
+    assert shape.written_pages == len(batch.kv_pages) == len(batch.kv_page_tokens)
+    assert list(batch.kv_pages[:3]) == [9, 12, 30]
+    assert (batch.kv_pages[3:] == NUM_PAGES).all()  # padding: written nowhere
+    # the query's tokens 16..24 are packed tokens 0..8; the causal prompt's are 9..13
+    np.testing.assert_array_equal(batch.kv_page_tokens[0], range(8))
+    np.testing.assert_array_equal(batch.kv_page_tokens[1], [8] * PAGE)  # the last token repeats
+    np.testing.assert_array_equal(batch.kv_page_tokens[2], [9, 10, 11, 12, 13, 13, 13, 13])
+    assert int(batch.num_rows) == 3 and int(batch.num_labels) == 3
+
+
+def test_cached_tokens_must_be_whole_pages():
+    seq = causal_sequence(list(range(12)))
+    with pytest.raises(ValueError, match="not whole pages of 8"):
+        build_batch([ScheduledSeq(seq, [1, 2], cached=4)], [[1]], BUCKETS.shape(8, 1, 1), PAGE,
+                    NUM_PAGES)
+
+
+def test_an_empty_batch_writes_nothing():
+    batch = build_batch([], [], BUCKETS.shape(16), PAGE, NUM_PAGES)
+    assert (batch.kv_pages == NUM_PAGES).all() and int(batch.num_labels) == 0
