@@ -90,7 +90,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: Forward
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
-        blocks = (page_blocks(x, batch.kv_page_tokens) for x in (k, v))
+        blocks = (page_blocks(new, batch.kv_page_tokens) for new in (k, v))
         k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, batch.kv_pages)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]

@@ -6,6 +6,7 @@ import hashlib
 
 import jax
 import numpy as np
+from absl import logging
 
 from model.config import ModelConfig
 from model.loader import DTYPES, load_model
@@ -39,6 +40,7 @@ class Engine:
         pages = kv_pool_pages(engine_cfg, probe, DeviceMemory.of(device))
         if multihost:
             pages = agree(pages)
+        logging.info("KV pool: %d pages of %d tokens per replica", pages, engine_cfg.page_size)
         self.channel = StepChannel(buckets, pages) if multihost else None
         publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
         runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish)
