@@ -45,8 +45,8 @@ def bytes_beside_pool(programs: ForwardPrograms) -> int:
 
 def kv_pool_pages(engine_cfg: EngineConfig, programs_with: Callable[[int], ForwardPrograms],
                   memory: DeviceMemory | None) -> int:
-    """`programs_with(num_pages)`: a replica's programs over a pool of that many pages (no
-    weights needed: runtime.forward_programs.abstract_programs). Raises ValueError when not
+    """`programs_with(num_pages)`: a replica's programs over a pool of that many pages, from
+    the model's shapes (runtime.forward_programs.server_programs). Raises ValueError when not
     even one batch fits."""
     min_pages = pages_needed(engine_cfg.min_kv_tokens, engine_cfg.page_size)
     if engine_cfg.kv_cache_tokens or memory is None:
