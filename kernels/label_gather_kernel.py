@@ -149,6 +149,11 @@ def streamed_row_block(rows: int, max_stream_rows: int = 256) -> int:
     return min(-(-rows // 8) * 8, max_stream_rows)
 
 
+def _pad_rows(x, block: int):
+    """[R, ...] with zero rows added up to a multiple of `block`."""
+    return jnp.pad(x, ((0, -x.shape[0] % block), (0, 0)))
+
+
 def _by_label(labels):
     """[R, K] -> [K, R, 1]: label k is a leading index, each row on its own sublane."""
     return labels.T[:, :, None]
@@ -222,9 +227,8 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
 
     def streamed():
         row_block = streamed_row_block(r, max_stream_rows)
-        pad = -r % row_block
-        logits, lse = _streamed(counts, jnp.pad(hidden, ((0, pad), (0, 0))), norm_weight, head,
-                                jnp.pad(labels, ((0, pad), (0, 0))), row_block,
+        logits, lse = _streamed(counts, _pad_rows(hidden, row_block), norm_weight, head,
+                                _pad_rows(labels, row_block), row_block,
                                 head_tile_rows(vocab, h, head.dtype.itemsize, vocab_tile),
                                 interpret, **kw)
         return logits[:r], lse[:r]
@@ -235,9 +239,8 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
         return streamed()[0], None
 
     def tiles():
-        pad = -r % _ROW_BLOCK
-        return _label_tiles(counts, jnp.pad(hidden, ((0, pad), (0, 0))), norm_weight, head,
-                            jnp.pad(labels, ((0, pad), (0, 0))), interpret, **kw)[:r]
+        return _label_tiles(counts, _pad_rows(hidden, _ROW_BLOCK), norm_weight, head,
+                            _pad_rows(labels, _ROW_BLOCK), interpret, **kw)[:r]
 
     return jax.lax.cond(label_tiles_pay(counts[0], counts[1], vocab), tiles,
                         lambda: streamed()[0]), None

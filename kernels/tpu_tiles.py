@@ -5,9 +5,6 @@ LANES = 128
 SUBLANES = 8
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def lane_aligned(n: int) -> int:
-    return round_up(n, LANES)
+    """`n` rounded up to whole lane tiles."""
+    return -(-n // LANES) * LANES

@@ -162,14 +162,14 @@ def pool_head_dim(cfg: ModelConfig, backend: str) -> int:
     return lane_aligned(cfg.head_dim) if backend in TPU_BACKENDS else cfg.head_dim
 
 
-def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, kv_repeat: int = 1,
-                  head_dim: int | None = None) -> tuple[int, ...]:
-    """[layers, Hkv x kv_repeat, num_pages, page_size, head_dim (default the model's)]."""
+def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, backend: str,
+                  kv_repeat: int = 1) -> tuple[int, ...]:
+    """[layers, Hkv x kv_repeat, num_pages, page_size, pool_head_dim]."""
     return (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages, page_size,
-            head_dim or cfg.head_dim)
+            pool_head_dim(cfg, backend))
 
 
-def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, kv_repeat: int = 1,
-                head_dim: int | None = None) -> KVCache:
-    shape = kv_pool_shape(cfg, num_pages, page_size, kv_repeat, head_dim)
+def empty_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, backend: str,
+                kv_repeat: int = 1) -> KVCache:
+    shape = kv_pool_shape(cfg, num_pages, page_size, backend, kv_repeat)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
+from runtime.forward_programs import footprint
 
 V6E_HBM_BYTES = 32 * 2**30  # one v6e chip
 
@@ -59,8 +60,7 @@ def hbm_bytes(compiled: jax.stages.Compiled) -> dict:
     m = compiled.memory_analysis()
     return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-            "total": (m.argument_size_in_bytes + m.output_size_in_bytes
-                      - m.alias_size_in_bytes + m.temp_size_in_bytes)}
+            "total": footprint(compiled)}
 
 
 def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.batch import KVCache
 from model.config import ModelConfig
-from model.decoder import kv_pool_shape, pool_head_dim, score_forward
+from model.decoder import kv_pool_shape, score_forward
 from model.loader import DTYPES
 from model.params import param_shapes
 from model.sharding import (
@@ -33,6 +33,14 @@ from model.sharding import (
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.engine_config import EngineConfig
+
+
+def footprint(compiled: jax.stages.Compiled) -> int:
+    """Bytes a program holds on each device: arguments, temp, and outputs that do not reuse
+    (alias) a donated argument."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
 
 
 def _abstract(tree):
@@ -106,8 +114,7 @@ def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: s
                                                                        sharding=placement),
                           shapes, param_placements(shapes, shards, mesh),
                           is_leaf=lambda x: isinstance(x, tuple))
-    pool = kv_pool_shape(cfg, num_pages, buckets.page_size, shards.kv_repeat,
-                         pool_head_dim(cfg, backend))
+    pool = kv_pool_shape(cfg, num_pages, buckets.page_size, backend, shards.kv_repeat)
     cache = KVCache(*(jax.ShapeDtypeStruct(pool, dtype, sharding=placement)
                       for placement in cache_placements(mesh)))
     return ForwardPrograms(cfg, buckets, backend, mesh, shards, params, cache)

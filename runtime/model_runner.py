@@ -12,7 +12,7 @@ import numpy as np
 from kernels.attention_plan import BlockSizes
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
-from model.decoder import empty_cache, pool_head_dim
+from model.decoder import empty_cache
 from model.sharding import (
     cache_placements,
     param_placements,
@@ -57,8 +57,7 @@ class ModelRunner:
     def _new_cache(self) -> KVCache:
         """Zeros made in place, each device holding its own KV heads only."""
         make = functools.partial(empty_cache, self.cfg, self.num_pages, self.buckets.page_size,
-                                 self.dtype, self.shards.kv_repeat,
-                                 pool_head_dim(self.cfg, self.backend))
+                                 self.dtype, self.backend, self.shards.kv_repeat)
         return jax.jit(make, out_shardings=cache_placements(self.mesh))()
 
     def warm_up(self, threads: int = os.cpu_count() or 1) -> None:

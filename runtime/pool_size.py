@@ -10,7 +10,7 @@ from typing import Callable
 
 from runtime.buckets import pages_needed
 from runtime.engine_config import EngineConfig
-from runtime.forward_programs import ForwardPrograms
+from runtime.forward_programs import ForwardPrograms, footprint
 
 CPU_BATCHES = 4  # the CPU pool: this many full batches of tokens
 
@@ -34,13 +34,8 @@ def bytes_beside_pool(programs: ForwardPrograms) -> int:
     (params, batch), temp, and outputs that are not the donated pool."""
     largest = programs.buckets.all_shapes()[-1]
     programs.warm_up(shapes=[largest])
-
-    def beside(with_lse: bool) -> int:
-        m = programs.get(largest, with_lse).memory_analysis()
-        return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-                - m.alias_size_in_bytes - programs.pool_bytes)
-
-    return max(beside(False), beside(True))
+    held = max(footprint(programs.get(largest, with_lse)) for with_lse in (False, True))
+    return held - programs.pool_bytes
 
 
 def kv_pool_pages(engine_cfg: EngineConfig, programs_with: Callable[[int], ForwardPrograms],
