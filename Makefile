@@ -34,10 +34,11 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed
 	$(PY) -m profiling.bench_engine --out bench_engine.json
 
-# The same table plus HuggingFace transformers (installs torch and transformers into .venv).
+# The server against HuggingFace transformers, per item and with the query's KV reused, on
+# SGLang's benchmark shapes (installs torch and transformers into .venv).
 bench-compare: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[compare]'
-	$(PY) -m profiling.bench_engine --compare_hf --out bench_engine.json
+	$(PY) -m profiling.bench_compare --out bench_compare.json
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30
+MASKED = -1e30  # a masked score: exp(MASKED - any real score) is 0
 
 
 class AttentionMetadata(NamedTuple):
@@ -84,7 +84,7 @@ def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, prefix_len, kv_len, sm
     qg = q_blk.astype(jnp.float32).reshape(c, hkv, hq // hkv, d)
     s = jnp.einsum("chgd,hkd->hgck", qg, k_seq.astype(jnp.float32)) * sm_scale
     mask = visible_mask(q_pos, vis, prefix_len, kv_len, jnp.arange(kv_max))
-    s = jnp.where(mask[None, None], s, _MASKED)
+    s = jnp.where(mask[None, None], s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("hgck,hkd->chgd", p, v_seq.astype(jnp.float32))
     return out.reshape(c, hq, d)

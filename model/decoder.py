@@ -94,7 +94,8 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: Forward
         k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, batch.kv_pages)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
-    x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"), shards)
+    with jax.named_scope("out_proj"):
+        x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"), shards)
     with jax.named_scope("mlp"):
         x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
     return (x, KVCache(k_pages, v_pages)), None

@@ -7,8 +7,8 @@ python -m profiling.bench_engine [--model-path P] [--query-tokens 120 --item-tok
 Workload: `requests` requests of `num_items` items each; their queries cycle through
 `distinct_queries` different queries (a shelf scored over several requests). Modes:
 multi-item or one prompt per item, with the prefix cache on or off; with --compare-hf (needs
-`transformers` and `torch`), HuggingFace transformers scoring the same prompts one per item,
-batched per request, logits_to_keep=1, float32, on as many threads as JAX.
+`transformers` and `torch`), HuggingFace transformers scoring the same requests, one prompt
+per item and with the query's KV reused by the items (profiling.hf_baseline).
 - items/s: every request submitted at once, items over wall time until the last result.
 - latency: one request alone, median of `repeats`.
 Token ids from seed 0. The prefix cache is flushed before every timed run; compilation happens
@@ -95,10 +95,11 @@ def run(engines: dict[bool, Engine], reqs: list[ScoreRequest], repeats: int,
             engine, per_item(reqs), per_item(reqs[:1]), items, repeats,
             subdir(trace_dir, f"prompt_per_item_{tag}"))
     if hf is not None:
-        rows["hf_transformers/prompt_per_item"] = hf.time(reqs, repeats)
         ours = np.array(engines[True].score_request(reqs[0]).scores)
-        rows["hf_transformers/prompt_per_item"]["max_abs_diff_vs_ours"] = float(
-            np.abs(hf.scores(reqs[0]) - ours).max())
+        for mode, scorer in (("prompt_per_item", hf), ("query_kv_reuse", hf.with_reuse(True))):
+            row = scorer.time(reqs, repeats)
+            row["max_abs_diff_vs_ours"] = float(np.abs(scorer.scores(reqs[0]) - ours).max())
+            rows[f"hf_transformers/{mode}"] = row
     first = reqs[0]
     return {"shape": dict(query_tokens=len(first.query), item_tokens=len(first.items[0]),
                           num_items=len(first.items), num_labels=len(first.label_token_ids),

@@ -11,8 +11,20 @@ Work: per layer, the projections and MLP of the real tokens, the attention kerne
 estimate at the plan's real steps, and the K/V written; then the label gather's cost estimate.
 HBM bytes count every weight once. Timing: wall clock of ModelRunner.run (host to scores) after
 a warm-up call, median of repeats, on whatever backend JAX picks.
+
+Per bucket it also reports:
+- where the time goes: op time per named scope from a traced run (profiling.trace_breakdown);
+- host work: building the batch (plan, page tables) and what ModelRunner.run adds around the
+  program's execution (dispatch, transfers, result decoding);
+- the yardstick: the time the forward's dense matmuls (projections, MLP, the output head's
+  rows) take at the matmul rate measured in the same run (one 4096^3 float32 matmul).
 """
+import statistics
+import tempfile
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
@@ -21,7 +33,8 @@ from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from profiling.roofline import roofline
-from profiling.timing import WALL_CLOCK, subdir, wall_time, write_json
+from profiling.timing import WALL_CLOCK, subdir, tracing, wall_time, write_json
+from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import pages_needed
 from runtime.cli_flags import parse_flags
@@ -31,6 +44,7 @@ from runtime.packing import multi_item_sequence
 
 FLAGS = flags.FLAGS
 QUERY, ITEMS, ITEM, LABELS = 120, 10, 18, 2
+SCOPES = ("qkv", "out_proj", "mlp", "attention", "kv_write", "label_gather")
 
 
 def define_flags() -> None:
@@ -64,8 +78,9 @@ def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
     return seqs
 
 
-def make_batch(engine: Engine, bucket: int, rng):
-    runner, buckets = engine.runner, engine.runner.buckets
+def schedule(engine: Engine, bucket: int, rng):
+    """What the scheduler hands build_batch for a full `bucket`: entries, labels, shape."""
+    buckets = engine.runner.buckets
     seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng)
     entries, next_page = [], 0
     for seq in seqs:
@@ -75,16 +90,28 @@ def make_batch(engine: Engine, bucket: int, rng):
     rows = sum(len(s.score_rows) for s in seqs)
     labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
     shape = buckets.shape(sum(len(s.tokens) for s in seqs), rows, len(seqs))
-    batch = build_batch(entries, labels, shape, buckets.page_size, runner.num_pages,
-                        runner.sizes)
-    return batch, shape, seqs
+    return entries, labels, shape
+
+
+def dense_flops(cfg: ModelConfig, tokens: int, rows: int, with_lse: bool) -> int:
+    """The forward's matmuls with weights: projections and MLP of every token, and the output
+    head of the scored rows (the whole vocabulary with the logsumexp, else the labels)."""
+    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
+    return cfg.num_layers * layer + 2 * rows * h * (cfg.vocab_size if with_lse else LABELS)
+
+
+def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
+    """FLOP/s of one large float32 matmul in JAX on the default device."""
+    a = jnp.ones((n, n), jnp.float32)
+    return 2 * n ** 3 / wall_time(jax.jit(jnp.matmul), (a, a), repeats)
 
 
 def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
          itemsize: int):
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
-    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    dense = 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
+    h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    dense = dense_flops(cfg, tokens, 0, with_lse) // cfg.num_layers
     plan = batch.attention.plan
     q_blocks = int((plan.row_pos.max(axis=1) >= 0).sum())
     attn = attention_cost(visited_kv_blocks(plan), q_blocks,
@@ -100,25 +127,61 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
     return flops, hbm
 
 
+def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
+    """Median wall time of build_batch: the plan, page tables and padding, on the host."""
+    runner, times = engine.runner, []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
+                    runner.sizes)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
+               trace_dir: str | None) -> dict:
+    """Seconds per forward by scope, from `repeats` traced forwards (after an untraced one)."""
+    runner = engine.runner
+    program = runner.programs.get(shape, with_lse)
+    runner.run(batch, shape, with_lse)
+    with tempfile.TemporaryDirectory() as tmp:
+        with tracing(trace_dir or tmp):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                runner.run(batch, shape, with_lse)
+            traced = (time.perf_counter() - start) / repeats
+        split = breakdown(program, trace_dir or tmp, repeats, SCOPES)
+    return {"traced_wall_s": traced, **split}
+
+
 def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
         trace_dir: str | None = None) -> dict:
-    runner, rows = engine.runner, []
+    runner, rows, cfg = engine.runner, [], engine.cfg
     itemsize = np.dtype(engine.engine_cfg.dtype).itemsize
+    rate = matmul_rate()
     for bucket in buckets:
-        batch, shape, seqs = make_batch(engine, bucket, np.random.default_rng(0))
-        seconds = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats,
-                            subdir(trace_dir, f"bucket_{bucket}"))
-        tokens = sum(len(s.tokens) for s in seqs)
-        scored = sum(len(s.score_rows) for s in seqs)
-        rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(seqs),
-                     "rows": scored, "tokens_per_s": tokens / seconds,
-                     **roofline(*work(engine.cfg, runner.params, batch, tokens, scored,
+        entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
+        batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
+                            runner.sizes)
+        seconds = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats)
+        split = time_split(engine, batch, shape, with_lse, repeats,
+                           subdir(trace_dir, f"bucket_{bucket}"))
+        tokens = sum(e.new_tokens for e in entries)
+        dense_s = dense_flops(cfg, tokens, len(labels), with_lse) / rate
+        rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(entries),
+                     "rows": len(labels), "tokens_per_s": tokens / seconds,
+                     "dense_matmul_s": dense_s, "vs_dense_matmul": seconds / dense_s,
+                     "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
+                     "split_s": split,
+                     **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
                                       runner.sizes, with_lse, itemsize), seconds)})
-    return {"model": engine.cfg.family, "layers": engine.cfg.num_layers,
+    return {"model": cfg.family, "layers": cfg.num_layers,
             "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
             "kv_pool_tokens": runner.num_pages * runner.buckets.page_size,
             "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,
-            "timing": WALL_CLOCK + " of ModelRunner.run", "buckets": rows}
+            "matmul_flops_per_s": rate, "timing": WALL_CLOCK + " of ModelRunner.run",
+            "split": "op self-time per scope in a traced run, per forward "
+                     "(profiling.trace_breakdown)", "buckets": rows}
 
 
 def main(argv) -> None:
@@ -134,10 +197,15 @@ def main(argv) -> None:
     print(f"{result['model']} {result['dtype']} on {result['device']} "
           f"({result['attention_backend']} attention, KV pool of {result['kv_pool_tokens']} "
           f"tokens); timing: {result['timing']}")
+    print(f"matmul rate {result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; split: op ms per "
+          f"forward")
     for r in result["buckets"]:
+        split = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["split_s"].items())
         print(f"bucket {r['bucket']:5d}: {r['tokens']:5d} tokens {r['rows']:3d} rows "
               f"{r['measured_s'] * 1e3:9.1f} ms {r['tokens_per_s']:8.0f} tok/s "
-              f"{r['flops'] / 1e9:8.1f} GFLOP; v6e bound {r['v6e_roofline_s'] * 1e6:8.1f} us")
+              f"{r['vs_dense_matmul']:5.2f}x dense matmuls; build_batch "
+              f"{r['build_batch_s'] * 1e3:.1f} ms; {r['flops'] / 1e9:8.1f} GFLOP; v6e bound "
+              f"{r['v6e_roofline_s'] * 1e6:8.1f} us\n    split: {split}")
     write_json(result, FLAGS.out)
 
 

@@ -1,7 +1,11 @@
-"""HuggingFace transformers scoring the same prompts, for the engine benchmark's comparison.
+"""HuggingFace transformers scoring the same prompts, the baselines of the comparison studies.
 
-Optional: needs `torch` and `transformers` (`make bench-compare` installs them). One prompt
-(query ++ item) per item, the items of a request batched, logits_to_keep=1, float32.
+Optional: needs `torch` and `transformers` (`make bench-compare` installs them). float32, on as
+many threads as JAX, the items of a request batched, `logits_to_keep=1`. Two ways a careful
+script scores a request:
+- per item: one prompt (query ++ item) per item;
+- query KV reuse: the query's KV computed once, then every item's tokens on top of it
+  (`past_key_values`), so each request computes the same tokens as multi-item scoring.
 """
 import os
 import statistics
@@ -14,12 +18,12 @@ from runtime.request import ScoreRequest
 
 
 class HfScorer:
-    def __init__(self, model, torch):
-        self.model, self.torch = model, torch
+    def __init__(self, model, torch, reuse_query_kv: bool):
+        self.model, self.torch, self.reuse_query_kv = model, torch, reuse_query_kv
         torch.set_num_threads(os.cpu_count())  # as many as XLA's CPU client uses
 
     @classmethod
-    def from_path(cls, model_path: str | None):
+    def from_path(cls, model_path: str | None, reuse_query_kv: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
         path = model_path or embedded_model_path()
@@ -27,16 +31,26 @@ class HfScorer:
         if path.endswith(".gguf"):
             path, kw["gguf_file"] = os.path.split(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-        return cls(model.eval(), torch)
+        return cls(model.eval(), torch, reuse_query_kv)
+
+    def with_reuse(self, reuse_query_kv: bool) -> "HfScorer":
+        """The same model, scoring the other way."""
+        return HfScorer(self.model, self.torch, reuse_query_kv)
 
     def scores(self, req: ScoreRequest) -> np.ndarray:
         """P(label | query ++ item) over the full vocabulary, [items, labels]."""
+        if len({len(item) for item in req.items}) != 1:
+            raise ValueError("the baseline batches equal-length items only (no padding)")
         torch = self.torch
-        prompts = [req.query + item for item in req.items]
-        if len({len(p) for p in prompts}) != 1:
-            raise ValueError("the baseline batches equal-length prompts only (no padding)")
         with torch.inference_mode():
-            logits = self.model(torch.tensor(prompts), logits_to_keep=1).logits[:, -1]
+            if self.reuse_query_kv:
+                cache = self.model(torch.tensor([req.query]), use_cache=True).past_key_values
+                cache.batch_repeat_interleave(len(req.items))
+                logits = self.model(torch.tensor(req.items), past_key_values=cache,
+                                    use_cache=True, logits_to_keep=1).logits[:, -1]
+            else:
+                prompts = [req.query + item for item in req.items]
+                logits = self.model(torch.tensor(prompts), logits_to_keep=1).logits[:, -1]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
         return logprobs[:, req.label_token_ids].exp().numpy().astype(np.float64)
 

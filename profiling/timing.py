@@ -43,10 +43,11 @@ def write_json(result: dict, path: str | None) -> None:
             json.dump(result, f, indent=2)
 
 
-def _trace_events(trace_dir: str) -> list[dict]:
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+def trace_events(trace_dir: str, file_name: str = "perfetto_trace.json.gz") -> list[dict]:
+    """The events of the newest trace file `file_name` under `trace_dir`."""
+    paths = glob.glob(os.path.join(trace_dir, "**", file_name), recursive=True)
     if not paths:
-        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+        raise FileNotFoundError(f"no {file_name} under {trace_dir}")
     with gzip.open(max(paths, key=os.path.getmtime)) as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
@@ -61,7 +62,7 @@ def op_time(fn, args, name: str, repeats: int = 3, trace_dir: str | None = None)
         with jax.profiler.trace(out, create_perfetto_trace=True):
             for _ in range(repeats):
                 jax.block_until_ready(fn(*args))
-        events = _trace_events(out)
+        events = trace_events(out)
     durations = [e["dur"] for e in events
                  if e.get("ph") == "X" and name in e.get("name", "")
                  and not e["name"].startswith("end:")]

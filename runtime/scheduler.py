@@ -28,6 +28,7 @@ class SchedulerStats:
     forwards: int = 0
     failed_forwards: int = 0
     computed_tokens: int = 0
+    padded_tokens: int = 0   # the buckets' tokens: computed ones and their padding
     cached_tokens: int = 0   # tokens whose K/V came from the prefix cache
 
 
@@ -154,6 +155,7 @@ class Scheduler:
             logging.exception("forward of %d sequences failed", len(entries))
             self._fail(batch, e)
         else:
+            self.stats.padded_tokens += shape.tokens
             self._finish(batch, logits, lse)
         finally:
             with self._cond:

@@ -18,6 +18,8 @@ _ENGINE_METRICS = [  # (name, type, help, value of an Engine)
      _total(lambda s: s.stats.failed_forwards)),
     ("jax_score_computed_tokens_total", "counter", "prompt tokens run through the model",
      _total(lambda s: s.stats.computed_tokens)),
+    ("jax_score_padded_tokens_total", "counter", "tokens of the shape buckets the forwards "
+     "ran: computed tokens and their padding", _total(lambda s: s.stats.padded_tokens)),
     ("jax_score_cached_tokens_total", "counter", "prompt tokens served from the prefix cache",
      _total(lambda s: s.stats.cached_tokens)),
     ("jax_score_waiting_sequences", "gauge", "sequences queued for a forward",

@@ -143,6 +143,24 @@ def test_sixty_four_items_visit_only_prefix_and_own_item_blocks():
     assert visited_kv_blocks(plan) == sum(map(len, needed)) < dense_causal / 4
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_blocks_are_token_runs_in_order(seed):
+    """What the XLA path relies on to read and write a q block as one slice: a block's rows
+    are consecutive packed tokens, and steps visit blocks in token order."""
+    _, _, _, md, _ = random_batch(np.random.default_rng(seed),
+                                  random_specs(np.random.default_rng(seed)), hq=1, hkv=1, d=8,
+                                  page_size=8, dtype=jnp.float32)
+    plan = plan_for(md, BlockSizes(8, 16), extra=2)
+    real = plan.row_pos >= 0
+    starts = plan.block_tokens[:, 0]
+    for block in range(int(real.any(axis=1).sum())):
+        n = int(real[block].sum())
+        assert real[block, :n].all() and not real[block, n:].any()
+        assert (plan.block_tokens[block, :n] == starts[block] + np.arange(n)).all()
+    steps = plan.step_block[:int(plan.num_steps)]
+    assert (np.diff(steps) >= 0).all() and (np.diff(starts[np.unique(steps)]) > 0).all()
+
+
 def test_padding_steps_are_not_counted():
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
                                   page_size=8, dtype=jnp.float32)

@@ -1,4 +1,5 @@
-"""Padded batches: the whole pages new K/V fill, and the real counts the kernels loop over."""
+"""Padded batches: the token buckets, the whole pages new K/V fill, and the real counts the
+kernels loop over."""
 import numpy as np
 import pytest
 
@@ -37,3 +38,13 @@ def test_cached_tokens_must_be_whole_pages():
 def test_an_empty_batch_writes_nothing():
     batch = build_batch([], [], BUCKETS.shape(16), PAGE, NUM_PAGES)
     assert (batch.kv_pages == NUM_PAGES).all() and int(batch.num_labels) == 0
+
+
+def test_token_buckets_waste_at_most_a_fifth_from_256_tokens_and_a_third_below():
+    sizes = ShapeBuckets(8192, 64, 256, 2, 8192, 16).token_sizes()
+    assert sizes[:12] == (16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448)
+    assert sizes[-5:] == (4096, 5120, 6144, 7168, 8192) and len(sizes) == 29
+    for smaller, size in zip(sizes, sizes[1:]):
+        waste = (size - smaller - 1) / size  # a batch of smaller + 1 tokens
+        assert waste < (1 / 5 if smaller >= 256 else 1 / 3), (smaller, size)
+    assert ShapeBuckets(300, 8, 8, 2, 300, 16).token_sizes()[-2:] == (256, 320)  # covers 300

@@ -126,8 +126,44 @@ def test_bench_forward_cli_times_every_bucket_and_traces(model_dirs, tmp_path):
     assert all(1 < r["tokens"] <= r["bucket"] and r["rows"] >= 1 for r in rows)
     assert all(r["measured_s"] > 0 and r["v6e_roofline_s"] > 0 for r in rows)
     assert rows[-1]["flops"] > rows[0]["flops"]
+    assert result["matmul_flops_per_s"] > 0
+    for r in rows:
+        assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
+        assert r["build_batch_s"] > 0
+        split = r["split_s"]
+        for scope in ("qkv", "out_proj", "mlp", "attention", "kv_write", "label_gather"):
+            assert split[scope] > 0, scope  # every scope's ops were found in the trace
+        assert split["executions"] > 0
     assert sorted(p.parent.parent.parent.parent.name for p in traces.rglob("*.xplane.pb")) == [
         f"bucket_{b}" for b in sorted(["16", "24", "32", "48", "64"])]
+
+
+def test_trace_breakdown_takes_self_time_and_the_first_named_scope():
+    from profiling.trace_breakdown import scope_of, self_times
+    events = [{"tid": 1, "ts": 0, "dur": 10, "name": "while"},  # holds the next two
+              {"tid": 1, "ts": 1, "dur": 3, "name": "dot"},
+              {"tid": 1, "ts": 5, "dur": 4, "name": "exp"},
+              {"tid": 2, "ts": 2, "dur": 6, "name": "copy"}]  # another thread: not nested
+    assert sorted(self_times(events)) == [(1, "dot", 3), (1, "exp", 4), (1, "while", 3),
+                                          (2, "copy", 6)]
+    scopes = ("qkv", "attention", "mlp")
+    assert scope_of("jit(f)/while/body/layer/attention/while/body/exp", scopes) == "attention"
+    assert scope_of("jit(f)/while/body/layer/mlp/dot_general", scopes) == "mlp"
+    assert scope_of("jit(f)/while/body/dynamic_slice", scopes) == "other"
+
+
+def test_bench_compare_measures_a_started_server(model_dirs):
+    import asyncio
+
+    from profiling.bench_compare import running_server, serve_shape
+    args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
+    with running_server(model_dirs["llama"], args) as url:
+        row, scores = asyncio.run(serve_shape(
+            url, {"query_tokens": 6, "item_tokens": 2, "num_items": 3}, requests=4, clients=2,
+            repeats=1))
+    assert row["items_per_s"] > 0 and row["latency_s"] > 0
+    assert 0 <= row["padding"] < 1  # 12-token requests pad to buckets of 16 and more
+    assert scores.shape == (3, 2) and ((scores > 0) & (scores < 1)).all()
 
 
 def test_bench_engine_traces_each_mode(model_dirs, engines, tmp_path):

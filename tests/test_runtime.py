@@ -84,6 +84,17 @@ def test_chunks_of_a_big_request_share_its_cached_query(model_dirs, uncached):
     engine.close()
 
 
+def test_stats_count_the_bucket_tokens_each_forward_pads_to(uncached):
+    engine = uncached["llama"]
+    stats = engine.scheduler.stats
+    computed, padded = stats.computed_tokens, stats.padded_tokens
+    for query_len in (29, 30):  # 32 tokens fill the bucket of 32; 33 take the bucket of 48
+        engine.score(query=list(range(1, query_len + 1)), items=[[1, 2], [3]],
+                     label_token_ids=[1])
+    assert stats.computed_tokens - computed == 32 + 33
+    assert stats.padded_tokens - padded == 32 + 48
+
+
 def test_eviction_under_a_pool_too_small_for_all_prefixes(model_dirs, uncached):
     cfg = small_config(max_prefill_tokens=64, max_seqs=2, max_rows=16)
     engine = make(model_dirs, **vars(cfg) | dict(kv_cache_tokens=cfg.min_kv_tokens))

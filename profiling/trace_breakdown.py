@@ -1,0 +1,70 @@
+"""Where a compiled program's time goes: the op self-times of a jax.profiler trace, attributed
+to the named scopes (`layer/qkv`, `layer/attention`, ...) of the HLO instructions they ran.
+
+An op event is one whose name is an instruction of the program; its self-time excludes the
+ops nested in it (a while loop's body). Other events on the threads that run ops (the
+runtime's own bookkeeping, waits) count as `runtime`. Ops of one program may run on several
+threads at once, so op time can exceed wall time.
+"""
+import collections
+import re
+
+import jax
+
+from profiling.timing import trace_events
+
+_INSTRUCTION = re.compile(r'%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"')
+_EXECUTE = "ThunkExecutor::Execute (wait for completion)"
+
+
+def op_scopes(compiled: jax.stages.Compiled) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata (the jax named-scope path)."""
+    return {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(compiled.as_text())}
+
+
+def op_events(trace_dir: str) -> list[dict]:
+    """Complete ('X') events of the newest trace under `trace_dir`."""
+    return [e for e in trace_events(trace_dir, "*.trace.json.gz") if e.get("ph") == "X"]
+
+
+def self_times(events: list[dict]) -> list[tuple[int, str, float]]:
+    """(thread, name, self-time in µs) of every event: its duration less its children's."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[e["tid"]].append(e)
+    out = []
+    for tid, evs in by_thread.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, own = [], {}
+        for i, e in enumerate(evs):
+            while stack and evs[stack[-1]]["ts"] + evs[stack[-1]]["dur"] <= e["ts"]:
+                stack.pop()
+            own[i] = e["dur"]
+            if stack:
+                own[stack[-1]] -= e["dur"]
+            stack.append(i)
+        out += [(tid, evs[i]["name"], own[i]) for i in range(len(evs))]
+    return out
+
+
+def scope_of(op_name: str, scopes: tuple[str, ...]) -> str:
+    """The first of `scopes` named in an op's path, or `other`."""
+    parts = op_name.split("/")
+    return next((s for s in scopes if s in parts), "other")
+
+
+def breakdown(compiled: jax.stages.Compiled, trace_dir: str, calls: int,
+              scopes: tuple[str, ...]) -> dict[str, float]:
+    """Seconds per call: op self-time by scope, `other` ops, `runtime` (non-op events on the
+    op threads) and `executions` (the runtime's span of each execution, where it reports it)."""
+    names, events = op_scopes(compiled), op_events(trace_dir)
+    times = self_times(events)
+    op_threads = {tid for tid, name, _ in times if name in names}
+    total = collections.Counter({s: 0.0 for s in (*scopes, "other", "runtime")})
+    for tid, name, us in times:
+        if name in names:
+            total[scope_of(names[name], scopes)] += us
+        elif tid in op_threads and name != _EXECUTE and not name.startswith("end:"):
+            total["runtime"] += us
+    total["executions"] = sum(e["dur"] for e in events if e["name"] == _EXECUTE)
+    return {k: v / 1e6 / calls for k, v in total.items()}
