@@ -19,6 +19,7 @@ Scores of the first request are compared (max absolute difference). The server a
 HuggingFace never run at the same time.
 """
 import asyncio
+import collections
 import contextlib
 import os
 import platform
@@ -77,11 +78,14 @@ def running_server(model_path: str | None, extra_args: str):
            *(["--model-path", model_path] if model_path else []), *shlex.split(extra_args)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
+        log = collections.deque(maxlen=20)
         for line in proc.stderr:
+            log.append(line)
             if match := _SERVING.search(line):
                 break
         else:
-            raise RuntimeError(f"the server exited with {proc.wait()} before serving")
+            raise RuntimeError(f"the server exited with {proc.wait()} before serving:\n"
+                               + "".join(log))
         # Its later log lines must be read, or a full pipe would stall the server.
         threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
         yield match.group(1)

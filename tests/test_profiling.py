@@ -166,6 +166,13 @@ def test_bench_compare_measures_a_started_server(model_dirs):
     assert scores.shape == (3, 2) and ((scores > 0) & (scores < 1)).all()
 
 
+def test_bench_compare_says_why_the_server_did_not_start(model_dirs):
+    from profiling.bench_compare import running_server
+    with pytest.raises(RuntimeError, match=r"exited with 1 before serving:(.|\n)*--tp-size"):
+        with running_server(model_dirs["llama"], "--tp-size 3 --skip-warmup"):
+            pass
+
+
 def test_bench_engine_traces_each_mode(model_dirs, engines, tmp_path):
     from runtime.engine import Engine
     from tests.conftest import small_config
