@@ -129,12 +129,17 @@ async def _alone(pool: ConnectionPool, req, repeats: int) -> float:
     return statistics.median(times)
 
 
-async def serve_shape(url: str, shape: dict, requests: int, clients: int,
-                      repeats: int) -> tuple[dict, np.ndarray]:
-    """The server's row for one shape, and its scores of the first request."""
+async def server_vocab(url: str) -> int:
     pool = ConnectionPool(url)
     vocab = (await pool.get_json("/get_model_info"))["vocab_size"]
-    reqs = shape_requests(vocab, shape, requests)
+    pool.close()
+    return vocab
+
+
+async def serve_shape(url: str, reqs: list, clients: int, repeats: int) -> tuple[dict, np.ndarray]:
+    """The server's row for one shape's requests (from shape_requests), and its scores of the
+    first request."""
+    pool = ConnectionPool(url)
     await _score(pool, reqs[-1])  # compiles whatever the warm-up left
     latency = await _alone(pool, reqs[-1], repeats)
     before, times = await _token_counts(pool), []
@@ -150,32 +155,29 @@ async def serve_shape(url: str, shape: dict, requests: int, clients: int,
             "padding": 1 - computed / padded}, scores
 
 
-def hf_shape(hf, shape: dict, vocab: int, requests: int, repeats: int) -> tuple[dict, np.ndarray]:
-    reqs = shape_requests(vocab, shape, requests)
-    return hf.time(reqs[:-1], repeats), hf.scores(reqs[0])
-
-
 def run(model_path: str | None, shapes: list[str], requests: int, clients: int, repeats: int,
         hf_per_item_shapes: list[str], server_args: str = "") -> dict:
     from profiling.hf_baseline import HfScorer
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         raise ValueError(f"unknown shapes {sorted(unknown)}; known: {list(SHAPES)}")
-    rows, ours = {}, {}
+    rows, ours, reqs = {}, {}, {}
     with running_server(model_path, server_args) as url:
+        vocab = asyncio.run(server_vocab(url))
         for name in shapes:
+            reqs[name] = shape_requests(vocab, SHAPES[name], requests)
             rows[name] = {"shape": {**BASE, **SHAPES[name]}}
             rows[name]["server"], ours[name] = asyncio.run(
-                serve_shape(url, SHAPES[name], requests, clients, repeats))
+                serve_shape(url, reqs[name], clients, repeats))
     reuse = HfScorer.from_path(model_path, reuse_query_kv=True)
-    vocab = reuse.model.config.vocab_size
     for name in shapes:
         modes = [("hf_query_kv_reuse", reuse)]
         if name in hf_per_item_shapes:
             modes.append(("hf_per_item", reuse.with_reuse(False)))
         for mode, hf in modes:
-            row, scores = hf_shape(hf, SHAPES[name], vocab, requests, repeats)
-            row["max_abs_diff_vs_server"] = float(np.abs(scores - ours[name]).max())
+            row = hf.time(reqs[name][:-1], repeats)
+            row["max_abs_diff_vs_server"] = float(
+                np.abs(hf.scores(reqs[name][0]) - ours[name]).max())
             row["server_speedup"] = rows[name]["server"]["items_per_s"] / row["items_per_s"]
             rows[name][mode] = row
     return {"requests": requests, "clients": clients, "server_args": server_args,

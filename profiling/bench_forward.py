@@ -93,12 +93,17 @@ def schedule(engine: Engine, bucket: int, rng):
     return entries, labels, shape
 
 
+def layer_flops(cfg: ModelConfig, tokens: int) -> int:
+    """One layer's projections and MLP over `tokens` tokens."""
+    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
+
+
 def dense_flops(cfg: ModelConfig, tokens: int, rows: int, with_lse: bool) -> int:
     """The forward's matmuls with weights: projections and MLP of every token, and the output
     head of the scored rows (the whole vocabulary with the logsumexp, else the labels)."""
-    h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = 2 * tokens * (h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size)
-    return cfg.num_layers * layer + 2 * rows * h * (cfg.vocab_size if with_lse else LABELS)
+    head = cfg.vocab_size if with_lse else LABELS
+    return cfg.num_layers * layer_flops(cfg, tokens) + 2 * rows * cfg.hidden_size * head
 
 
 def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
@@ -111,7 +116,7 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
          itemsize: int):
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    dense = dense_flops(cfg, tokens, 0, with_lse) // cfg.num_layers
+    dense = layer_flops(cfg, tokens)
     plan = batch.attention.plan
     q_blocks = int((plan.row_pos.max(axis=1) >= 0).sum())
     attn = attention_cost(visited_kv_blocks(plan), q_blocks,
@@ -140,10 +145,9 @@ def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
 
 def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
                trace_dir: str | None) -> dict:
-    """Seconds per forward by scope, from `repeats` traced forwards (after an untraced one)."""
+    """Seconds per forward by scope, from `repeats` traced forwards of a compiled program."""
     runner = engine.runner
     program = runner.programs.get(shape, with_lse)
-    runner.run(batch, shape, with_lse)
     with tempfile.TemporaryDirectory() as tmp:
         with tracing(trace_dir or tmp):
             start = time.perf_counter()

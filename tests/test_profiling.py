@@ -155,12 +155,12 @@ def test_trace_breakdown_takes_self_time_and_the_first_named_scope():
 def test_bench_compare_measures_a_started_server(model_dirs):
     import asyncio
 
-    from profiling.bench_compare import running_server, serve_shape
+    from profiling.bench_compare import running_server, serve_shape, server_vocab, shape_requests
     args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
     with running_server(model_dirs["llama"], args) as url:
-        row, scores = asyncio.run(serve_shape(
-            url, {"query_tokens": 6, "item_tokens": 2, "num_items": 3}, requests=4, clients=2,
-            repeats=1))
+        reqs = shape_requests(asyncio.run(server_vocab(url)),
+                              {"query_tokens": 6, "item_tokens": 2, "num_items": 3}, requests=4)
+        row, scores = asyncio.run(serve_shape(url, reqs, clients=2, repeats=1))
     assert row["items_per_s"] > 0 and row["latency_s"] > 0
     assert 0 <= row["padding"] < 1  # 12-token requests pad to buckets of 16 and more
     assert scores.shape == (3, 2) and ((scores > 0) & (scores < 1)).all()
