@@ -26,14 +26,16 @@ class BlockSizes:
                              f"of the page size {page_size}")
 
 
-# Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads.
+# Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. The
+# planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a loop
+# test read back by the host, whatever its size, so steps there are few and large.
 _DEFAULT_BLOCKS = {"TPU v6 lite": (128, 512), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
-                   "TPU v4": (128, 256),
-                   "xla": (64, 128)}  # the planned XLA loop (CPU, GPU): fewer, larger steps
+                   "TPU v4": (128, 256), "xla cpu": (64, 128), "xla gpu": (512, 1024)}
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
 
 
 def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
+    """`device_kind`: a TPU's, or "xla <platform>" for the planned XLA loop."""
     q_block, kv_block = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
     return BlockSizes(q_block, -(-kv_block // page_size) * page_size)
 

@@ -1,22 +1,24 @@
 """The server as a user starts it, against HuggingFace transformers scoring the same requests.
 
-python -m profiling.bench_compare [--model-path P] [--shapes base,query_1000,...]
-    [--requests 12] [--clients 4] [--repeats 3] [--hf-per-item-shapes base]
+python -m profiling.bench_compare [--model-path P] [--dtype float32] [--shapes base,...]
+    [--requests 12] [--clients 4] [--repeats 3] [--hf-per-item-shapes base] [--hf-device cuda]
     [--server-args "--max-prefill-tokens 4096"] [--out compare.json]
 
 Needs `torch` and `transformers` (`make bench-compare` installs them). For each shape
 (SGLang's benchmark shapes: the base shape, 120-token query, 10 items of 18 tokens, 2 labels,
 and that shape with one of query length, item count or label count changed):
-- server: `python -m server` in a subprocess, default flags plus --server-args; `requests`
+- server: `python -m server` in a subprocess, on JAX's default backend, --dtype and
+  --server-args beside the default flags; `requests`
   requests, each with its own query (token ids, seed 0), sent by `clients` concurrent clients,
   each sending its next request when the last is answered, from an empty prefix cache. items/s:
   items over wall time, median of `repeats` runs; latency: one request alone, median of
   `repeats`; padding: the share of the forwards' bucket tokens that were padding (/metrics).
-- HuggingFace, float32, as many threads as the server (profiling.hf_baseline): the same
+- HuggingFace in --dtype, on --hf-device (a CUDA GPU where torch sees one, else the CPU with
+  as many threads as the server; profiling.hf_baseline): the same
   requests one after another (median of `repeats` runs), with the query's KV reused by the
   request's items, and, for --hf-per-item-shapes, one prompt per item.
-Scores of the first request are compared (max absolute difference). The server and
-HuggingFace never run at the same time.
+Scores of the first request are compared: the max absolute difference, and that over the
+largest score. The server and HuggingFace never run at the same time.
 """
 import asyncio
 import collections
@@ -45,10 +47,14 @@ SHAPES = {"base": {}, **{f"query_{n}": {"query_tokens": n} for n in (50, 200, 10
           **{f"items_{n}": {"num_items": n} for n in (4, 16, 64)},
           **{f"labels_{n}": {"num_labels": n} for n in (8, 32)}}
 _SERVING = re.compile(r"serving .* on (http://[\w.\-]+:\d+)")
+_DEVICES = re.compile(r"replicas: (\d+ of \d+ .* device\(s\))")
 
 
 def define_flags() -> None:
     flags.DEFINE_string("model_path", None, "model to load; default: the embedded SmolLM2")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "the server's and HF's")
+    flags.DEFINE_string("hf_device", None, "torch device of HuggingFace; default: cuda where "
+                        "torch sees a GPU, else cpu")
     flags.DEFINE_list("shapes", list(SHAPES), f"shapes to run, of {list(SHAPES)}")
     flags.DEFINE_integer("requests", 12, "requests per throughput run, each its own query")
     flags.DEFINE_integer("clients", 4, "concurrent clients of the server")
@@ -73,14 +79,19 @@ def _drain(stream) -> None:
 
 @contextlib.contextmanager
 def running_server(model_path: str | None, extra_args: str):
-    """`python -m server` on a free port; yields its URL once it serves."""
+    """`python -m server` on a free port; yields, once it serves, its URL, its devices and the
+    seconds it took to start. Its log until then is echoed to stderr."""
     cmd = [sys.executable, "-m", "server", "--port", "0", "--noaccess_log",
            *(["--model-path", model_path] if model_path else []), *shlex.split(extra_args)]
+    start = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
-        log = collections.deque(maxlen=20)
+        log, devices = collections.deque(maxlen=20), None
         for line in proc.stderr:
             log.append(line)
+            sys.stderr.write(line)
+            if found := _DEVICES.search(line):
+                devices = found.group(1)
             if match := _SERVING.search(line):
                 break
         else:
@@ -88,7 +99,7 @@ def running_server(model_path: str | None, extra_args: str):
                                + "".join(log))
         # Its later log lines must be read, or a full pipe would stall the server.
         threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
-        yield match.group(1)
+        yield match.group(1), devices, time.perf_counter() - start
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -155,32 +166,41 @@ async def serve_shape(url: str, reqs: list, clients: int, repeats: int) -> tuple
             "padding": 1 - computed / padded}, scores
 
 
+def default_hf_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def run(model_path: str | None, shapes: list[str], requests: int, clients: int, repeats: int,
-        hf_per_item_shapes: list[str], server_args: str = "") -> dict:
+        hf_per_item_shapes: list[str], server_args: str = "", dtype: str = "float32",
+        hf_device: str = "cpu") -> dict:
     from profiling.hf_baseline import HfScorer
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         raise ValueError(f"unknown shapes {sorted(unknown)}; known: {list(SHAPES)}")
     rows, ours, reqs = {}, {}, {}
-    with running_server(model_path, server_args) as url:
+    with running_server(model_path, f"--dtype {dtype} {server_args}") as (url, devices, start_s):
         vocab = asyncio.run(server_vocab(url))
         for name in shapes:
             reqs[name] = shape_requests(vocab, SHAPES[name], requests)
             rows[name] = {"shape": {**BASE, **SHAPES[name]}}
             rows[name]["server"], ours[name] = asyncio.run(
                 serve_shape(url, reqs[name], clients, repeats))
-    reuse = HfScorer.from_path(model_path, reuse_query_kv=True)
+    reuse = HfScorer.from_path(model_path, reuse_query_kv=True, dtype=dtype, device=hf_device)
     for name in shapes:
         modes = [("hf_query_kv_reuse", reuse)]
         if name in hf_per_item_shapes:
             modes.append(("hf_per_item", reuse.with_reuse(False)))
         for mode, hf in modes:
             row = hf.time(reqs[name][:-1], repeats)
-            row["max_abs_diff_vs_server"] = float(
-                np.abs(hf.scores(reqs[name][0]) - ours[name]).max())
+            diff = np.abs(hf.scores(reqs[name][0]) - ours[name]).max()
+            row["max_abs_diff_vs_server"] = float(diff)
+            row["max_rel_diff_vs_server"] = float(diff / np.abs(ours[name]).max())
             row["server_speedup"] = rows[name]["server"]["items_per_s"] / row["items_per_s"]
             rows[name][mode] = row
     return {"requests": requests, "clients": clients, "server_args": server_args,
+            "dtype": dtype, "server_devices": devices, "server_start_s": start_s,
+            "hf_device": reuse.device_name,
             "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
             "timing": "wall clock: the server's from its clients, HuggingFace's in process",
             "shapes": rows}
@@ -189,9 +209,12 @@ def run(model_path: str | None, shapes: list[str], requests: int, clients: int, 
 def main(argv) -> None:
     del argv
     result = run(FLAGS.model_path, FLAGS.shapes, FLAGS.requests, FLAGS.clients, FLAGS.repeats,
-                 FLAGS.hf_per_item_shapes, FLAGS.server_args)
-    print(f"{result['requests']} requests, {result['clients']} clients; items/s, latency of "
-          f"one request alone, and the server's items/s over each baseline's")
+                 FLAGS.hf_per_item_shapes, FLAGS.server_args, FLAGS.dtype,
+                 FLAGS.hf_device or default_hf_device())
+    print(f"{result['requests']} requests, {result['clients']} clients, {result['dtype']}; "
+          f"server on {result['server_devices']} (served {result['server_start_s']:.0f} s after "
+          f"start), HF on {result['hf_device']}; items/s, latency of one request alone, and the "
+          f"server's items/s over each baseline's")
     for name, row in result["shapes"].items():
         server = row["server"]
         line = (f"{name:11s} server {server['items_per_s']:7.1f} items/s "
@@ -201,7 +224,8 @@ def main(argv) -> None:
                 hf = row[mode]
                 line += (f" | {mode} {hf['items_per_s']:6.1f} items/s "
                          f"{hf['latency_s'] * 1e3:6.0f} ms x{hf['server_speedup']:.2f} "
-                         f"(diff {hf['max_abs_diff_vs_server']:.1e})")
+                         f"(diff {hf['max_abs_diff_vs_server']:.1e}, "
+                         f"{hf['max_rel_diff_vs_server']:.1e} of the largest score)")
         print(line)
     write_json(result, FLAGS.out)
 

@@ -1,8 +1,8 @@
 """HuggingFace transformers scoring the same prompts, the baselines of the comparison studies.
 
-Optional: needs `torch` and `transformers` (`make bench-compare` installs them). float32, on as
-many threads as JAX, the items of a request batched, `logits_to_keep=1`. Two ways a careful
-script scores a request:
+Optional: needs `torch` and `transformers` (`make bench-compare` installs them). On the CPU (as
+many threads as JAX) or a CUDA GPU, in the server's dtype, the items of a request batched,
+`logits_to_keep=1`. Two ways a careful script scores a request:
 - per item: one prompt (query ++ item) per item;
 - query KV reuse: the query's KV computed once, then every item's tokens on top of it
   (`past_key_values`), so each request computes the same tokens as multi-item scoring.
@@ -23,15 +23,23 @@ class HfScorer:
         torch.set_num_threads(os.cpu_count())  # as many as XLA's CPU client uses
 
     @classmethod
-    def from_path(cls, model_path: str | None, reuse_query_kv: bool = False):
+    def from_path(cls, model_path: str | None, reuse_query_kv: bool = False,
+                  dtype: str = "float32", device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM
         path = model_path or embedded_model_path()
         kw = {}
         if path.endswith(".gguf"):
             path, kw["gguf_file"] = os.path.split(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-        return cls(model.eval(), torch, reuse_query_kv)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
+        return cls(model.to(device).eval(), torch, reuse_query_kv)
+
+    @property
+    def device_name(self) -> str:
+        device = self.model.device
+        if device.type == "cuda":
+            return self.torch.cuda.get_device_name(device)
+        return device.type
 
     def with_reuse(self, reuse_query_kv: bool) -> "HfScorer":
         """The same model, scoring the other way."""
@@ -41,18 +49,20 @@ class HfScorer:
         """P(label | query ++ item) over the full vocabulary, [items, labels]."""
         if len({len(item) for item in req.items}) != 1:
             raise ValueError("the baseline batches equal-length items only (no padding)")
-        torch = self.torch
+        torch, device = self.torch, self.model.device
         with torch.inference_mode():
             if self.reuse_query_kv:
-                cache = self.model(torch.tensor([req.query]), use_cache=True).past_key_values
+                query = torch.tensor([req.query], device=device)
+                cache = self.model(query, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(req.items))
-                logits = self.model(torch.tensor(req.items), past_key_values=cache,
+                logits = self.model(torch.tensor(req.items, device=device), past_key_values=cache,
                                     use_cache=True, logits_to_keep=1).logits[:, -1]
             else:
-                prompts = [req.query + item for item in req.items]
-                logits = self.model(torch.tensor(prompts), logits_to_keep=1).logits[:, -1]
+                prompts = torch.tensor([req.query + item for item in req.items], device=device)
+                logits = self.model(prompts, logits_to_keep=1).logits[:, -1]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return logprobs[:, req.label_token_ids].exp().numpy().astype(np.float64)
+        # .cpu() waits for the device: the scores are in hand when this returns.
+        return logprobs[:, req.label_token_ids].exp().cpu().numpy().astype(np.float64)
 
     def time(self, reqs: list[ScoreRequest], repeats: int) -> dict:
         self.scores(reqs[0])  # warm-up

@@ -40,7 +40,9 @@ class Engine:
         pages = kv_pool_pages(engine_cfg, probe, DeviceMemory.of(device))
         if multihost:
             pages = agree(pages)
-        logging.info("KV pool: %d pages of %d tokens per replica", pages, engine_cfg.page_size)
+        logging.info("replicas: %d of %d %s device(s), %s attention; KV pool: %d pages of %d "
+                     "tokens each", len(groups), len(groups[0]), device.device_kind, backend,
+                     pages, engine_cfg.page_size)
         self.channel = StepChannel(buckets, pages) if multihost else None
         publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
         runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish)

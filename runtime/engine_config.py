@@ -37,6 +37,8 @@ class EngineConfig:
                     "tp_size", "dp_size")
         if any(getattr(self, name) <= 0 for name in positive) or not 0 < self.mem_fraction <= 1:
             raise ValueError(f"{positive} must be positive and mem_fraction in (0, 1]: {self}")
+        if min(self.q_block, self.kv_block, self.kv_cache_tokens) < 0:
+            raise ValueError(f"q_block, kv_block and kv_cache_tokens may not be negative: {self}")
         if max(self.page_size, self.max_seqs, self.max_rows) > self.max_prefill_tokens:
             raise ValueError("page_size, max_seqs and max_rows may not exceed max_prefill_tokens")
         if self.kv_cache_tokens and self.kv_cache_tokens < self.min_kv_tokens:
@@ -67,7 +69,7 @@ class EngineConfig:
         backend = self.backend(device)
         if backend == "reference":
             return None
-        kind = device.device_kind if backend != "xla" else "xla"
+        kind = device.device_kind if backend != "xla" else f"xla {device.platform}"
         default = default_block_sizes(kind, self.page_size)
         sizes = BlockSizes(self.q_block or default.q_block, self.kv_block or default.kv_block)
         sizes.check(self.page_size)

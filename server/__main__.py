@@ -48,6 +48,10 @@ def define_flags() -> None:
                         "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
                        "take to finish")
+    flags.DEFINE_integer("q_block", 0, "attention: query tokens per block; 0: the device's "
+                         "entry in the block-size table")
+    flags.DEFINE_integer("kv_block", 0, "attention: KV positions per block, a multiple of "
+                         "--page-size; 0: the device's entry in the block-size table")
     flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
                       "auto: the Pallas kernels on TPU, the planned XLA path elsewhere")
     flags.DEFINE_integer("tp_size", 1, "devices per replica: attention heads, MLP and "
@@ -67,7 +71,8 @@ def engine_config() -> EngineConfig:
         max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
-        attention_backend=FLAGS.attention_backend, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size)
+        attention_backend=FLAGS.attention_backend, q_block=FLAGS.q_block,
+        kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size)
 
 
 def server_config() -> ServerConfig:

@@ -210,3 +210,21 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_cli_refuses_an_argument_that_is_not_a_flag(model_dirs):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
+                           "--port", "0", "--max-prefill-tokens", "64", "_q_block", "8"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "unexpected arguments ['_q_block', '8']" in proc.stderr
+
+
+def test_flag_values_that_look_like_flags_pass_unchanged():
+    from runtime.cli_flags import _underscored
+    assert _underscored("--max-prefill-tokens") == "--max_prefill_tokens"
+    assert _underscored("--model-path=/a-b") == "--model_path=/a-b"
+    # e.g. the value of bench_compare's --server-args: other flags, for another command line
+    assert _underscored("--q-block 512 --kv-block 1024") == "--q-block 512 --kv-block 1024"

@@ -157,13 +157,14 @@ def test_bench_compare_measures_a_started_server(model_dirs):
 
     from profiling.bench_compare import running_server, serve_shape, server_vocab, shape_requests
     args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
-    with running_server(model_dirs["llama"], args) as url:
+    with running_server(model_dirs["llama"], args) as (url, devices, start_s):
         reqs = shape_requests(asyncio.run(server_vocab(url)),
                               {"query_tokens": 6, "item_tokens": 2, "num_items": 3}, requests=4)
         row, scores = asyncio.run(serve_shape(url, reqs, clients=2, repeats=1))
     assert row["items_per_s"] > 0 and row["latency_s"] > 0
     assert 0 <= row["padding"] < 1  # 12-token requests pad to buckets of 16 and more
     assert scores.shape == (3, 2) and ((scores > 0) & (scores < 1)).all()
+    assert devices == "1 of 1 cpu device(s)" and start_s > 0
 
 
 def test_bench_compare_says_why_the_server_did_not_start(model_dirs):
@@ -242,3 +243,20 @@ def test_bench_tpu_compile_cli_reports_memory_and_compiler_estimates(tmp_path):
         assert case["hbm"]["temp"] < 2**20 * 16 and case["compile_s"] > 0
         assert case["xla"]["flops"] > 0 and case["xla"]["optimal_s"] > 0
         assert case["roofline"]["v6e_roofline_s"] > 0
+
+
+def test_random_checkpoint_of_each_sized_model_has_its_config(tmp_path):
+    """The checkpoint GPU comparisons time in place of a downloaded model is the one sized."""
+    import dataclasses
+
+    from model.config import config_from_hf
+    from model.loader import load_model
+    from profiling.random_checkpoint import config_json, write_checkpoint
+    from profiling.tpu_compile import SIZED_MODELS
+    for cfg in SIZED_MODELS.values():
+        assert config_from_hf(config_json(cfg)) == cfg
+    small = dataclasses.replace(SIZED_MODELS["Qwen3-0.6B"], vocab_size=512, hidden_size=64,
+                                intermediate_size=96, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+    loaded, params, _ = load_model(write_checkpoint(str(tmp_path), config_json(small), std=0.02))
+    assert loaded == small and params["embed"].shape == (512, 64)
