@@ -1,7 +1,8 @@
 """Pure functional decoder for the Llama, Qwen2 and Qwen3 families.
 
 params (see model.params) + config + ForwardBatch + KV cache -> label logits of the scored rows.
-The layers' weights are stacked and scanned, so compile time does not grow with depth.
+The layers' weights are stacked and scanned, so compile time does not grow with depth (on
+CPU, the matrices are one array per layer and a switch in the scan picks them).
 """
 import functools
 from typing import Callable, NamedTuple
@@ -49,31 +50,52 @@ def apply_rope(x, cos, sin):
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _project(x, w, bias=None, shards: ShardPlan | None = None):
+Dot = Callable  # (x, name) -> x @ this layer's weight `name`, float32
+
+
+def _layer_dot(lp: dict, matrices: tuple | None, layer) -> Dot:
+    """Matmuls with this layer's weights: sliced out of the stacked params (`lp`), or, with
+    per-layer matrices (model.params.per_layer_matrices), a switch on the layer whose
+    branches each read their own array, so that no weight is copied first."""
+    def stacked(x, name):
+        return jnp.dot(x, lp[name], preferred_element_type=jnp.float32)
+
+    def per_layer(x, name):
+        branches = [functools.partial(_dot_nth, n) for n in range(len(matrices))]
+        return jax.lax.switch(layer, branches, x, tuple(m[name] for m in matrices))
+
+    return stacked if matrices is None else per_layer
+
+
+def _dot_nth(n: int, x, weights: tuple):
+    return jnp.dot(x, weights[n], preferred_element_type=jnp.float32)
+
+
+def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None):
     """x @ w (+ bias); with `shards`, w is split by rows and the partial sums are all-reduced."""
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    y = dot(x, name)
     if shards is not None:
         y = all_reduce(y, shards)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(w.dtype)
+    return y.astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, h, cos, sin):
+def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
     shape = (h.shape[0], -1, cfg.head_dim)  # this shard's heads
-    q = _project(h, lp["wq"], lp.get("bq")).reshape(shape)
-    k = _project(h, lp["wk"], lp.get("bk")).reshape(shape)
-    v = _project(h, lp["wv"], lp.get("bv")).reshape(shape)
+    q = _project(dot, h, "wq", lp.get("bq")).reshape(shape)
+    k = _project(dot, h, "wk", lp.get("bk")).reshape(shape)
+    v = _project(dot, h, "wv", lp.get("bv")).reshape(shape)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp(lp: dict, h, shards: ShardPlan):
-    gate = _project(h, lp["w_gate"])
-    up = _project(h, lp["w_up"])
-    return _project(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, lp["w_down"],
+def _mlp(dot: Dot, h, shards: ShardPlan):
+    gate = _project(dot, h, "w_gate")
+    up = _project(dot, h, "w_up")
+    return _project(dot, jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, "w_down",
                     shards=shards)
 
 
@@ -83,11 +105,12 @@ def _pad_head_dim(x, width: int):
 
 
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: ForwardBatch, cos, sin,
-           carry, xs):
+           matrices: tuple | None, carry, xs):
     x, cache = carry
     lp, layer = xs
+    dot = _layer_dot(lp, matrices, layer)
     with jax.named_scope("qkv"):
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
+        q, k, v = _qkv(cfg, lp, dot, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
         blocks = (page_blocks(new, batch.kv_page_tokens) for new in (k, v))
@@ -95,9 +118,9 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: Forward
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
     with jax.named_scope("out_proj"):
-        x = x + _project(attn.reshape(x.shape[0], -1), lp["wo"], lp.get("bo"), shards)
+        x = x + _project(dot, attn.reshape(x.shape[0], -1), "wo", lp.get("bo"), shards)
     with jax.named_scope("mlp"):
-        x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
+        x = x + _mlp(dot, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
     return (x, KVCache(k_pages, v_pages)), None
 
 
@@ -108,7 +131,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     x = embed_tokens(params["embed"], batch.tokens, shards)
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch, cos,
-                                                      sin))
+                                                      sin, params.get("layer_matrices")))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
     return x, cache

@@ -1,7 +1,8 @@
 """Params pytree built from tensors named as in HuggingFace checkpoints.
 
 Layer weights are stacked along a leading layer axis (the decoder scans over it) and
-stored as [in, out] so that the forward pass is `x @ w`. The output head stays [rows, H]:
+stored as [in, out] so that the forward pass is `x @ w`; on CPU the matrices are then split
+into one array per layer (`per_layer_matrices`). The output head stays [rows, H]:
 the label gather reads rows of it. Arrays stay on the host (numpy, in the target dtype) until
 the model runner places them on its devices, split or whole.
 """
@@ -87,6 +88,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if cfg.is_classifier or not cfg.tie_word_embeddings:
         shapes["head"] = (cfg.output_size, h)
     return shapes
+
+
+def per_layer_matrices(params: dict, num_layers: int) -> dict:
+    """`params` with each layer's weight matrices as arrays of their own, in "layer_matrices"
+    (one dict per layer), and only the per-layer vectors left stacked in "layers". For XLA's
+    CPU backend, which copies a weight sliced out of a stacked array before every dot."""
+    layers = params["layers"]
+    matrices = tuple({k: layers[k][i] for k in _LINEARS} for i in range(num_layers))
+    vectors = {k: v for k, v in layers.items() if k not in _LINEARS}
+    return {**params, "layers": vectors, "layer_matrices": matrices}
 
 
 def head_weight(params: dict):

@@ -124,7 +124,8 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
                           cfg.head_dim, sizes.kv_block, itemsize)
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
-    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params["layers"]))
+    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(
+        (params["layers"], params.get("layer_matrices"))))
     kv_written = 2 * tokens * kvd * itemsize * cfg.num_layers
     flops = cfg.num_layers * (dense + attn.flops) + gather.flops
     hbm = (layer_weights + tokens * h * itemsize + cfg.num_layers * attn.bytes_accessed

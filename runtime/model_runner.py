@@ -13,6 +13,7 @@ from kernels.attention_plan import BlockSizes
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
 from model.decoder import empty_cache
+from model.params import per_layer_matrices
 from model.sharding import (
     cache_placements,
     param_placements,
@@ -36,6 +37,8 @@ class ModelRunner:
         devices = list(devices or jax.devices()[:1])
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
+        if devices[0].platform == "cpu":
+            params = per_layer_matrices(params, cfg.num_layers)
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
         self.cache = self._new_cache()
         self.programs = ForwardPrograms(cfg, buckets, backend, self.mesh, self.shards,

@@ -37,3 +37,33 @@ def test_the_xla_loop_takes_its_block_sizes_by_platform():
     assert EngineConfig(q_block=32).block_sizes(gpu) == BlockSizes(32, 1024)
     with pytest.raises(ValueError, match="may not be negative"):
         EngineConfig(kv_block=-16)
+
+
+def test_per_layer_weights_give_the_stacked_forward(engines):
+    """CPU runners hold each layer's matrices apart (model.params.per_layer_matrices); the
+    stacked params that other devices scan give the same forward."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.decoder import empty_cache, score_forward
+    from profiling.bench_forward import schedule
+    from runtime.batch_builder import build_batch
+    engine = engines["qwen3"]
+    runner, cfg = engine.runner, engine.cfg
+    per_layer = runner.params
+    assert "layer_matrices" in per_layer and "wq" not in per_layer["layers"]
+    matrices = per_layer["layer_matrices"]
+    stacked = {**{k: v for k, v in per_layer.items() if k != "layer_matrices"},
+               "layers": {**per_layer["layers"],
+                          **{k: jnp.stack([m[k] for m in matrices]) for k in matrices[0]}}}
+    entries, labels, shape = schedule(engine, 64, np.random.default_rng(0))
+    batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
+                        runner.sizes)
+    forward = jax.jit(functools.partial(score_forward, cfg=cfg, max_q_len=shape.tokens,
+                                        with_logsumexp=True, backend="xla", sizes=runner.sizes))
+    cache = empty_cache(cfg, runner.num_pages, runner.buckets.page_size, jnp.float32, "xla")
+    got, want = forward(per_layer, cache, batch), forward(stacked, cache, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)  # label logits
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)  # logsumexp
