@@ -90,12 +90,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def per_layer_matrices(params: dict, num_layers: int) -> dict:
+def per_layer_matrices(params: dict) -> dict:
     """`params` with each layer's weight matrices as arrays of their own, in "layer_matrices"
     (one dict per layer), and only the per-layer vectors left stacked in "layers". For XLA's
     CPU backend, which copies a weight sliced out of a stacked array before every dot."""
     layers = params["layers"]
-    matrices = tuple({k: layers[k][i] for k in _LINEARS} for i in range(num_layers))
+    matrices = tuple({k: layers[k][i] for k in _LINEARS} for i in range(len(layers["wq"])))
     vectors = {k: v for k, v in layers.items() if k not in _LINEARS}
     return {**params, "layers": vectors, "layer_matrices": matrices}
 

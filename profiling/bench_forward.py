@@ -19,9 +19,7 @@ Per bucket it also reports:
 - the yardstick: the time the forward's dense matmuls (projections, MLP, the output head's
   rows) take at the matmul rate measured in the same run (one 4096^3 float32 matmul).
 """
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,7 @@ from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from profiling.roofline import roofline
-from profiling.timing import WALL_CLOCK, subdir, tracing, wall_time, write_json
+from profiling.timing import WALL_CLOCK, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import pages_needed
@@ -135,13 +133,9 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
 
 def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
     """Median wall time of build_batch: the plan, page tables and padding, on the host."""
-    runner, times = engine.runner, []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                    runner.sizes)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    runner = engine.runner
+    return wall_time(build_batch, (entries, labels, shape, runner.buckets.page_size,
+                                   runner.num_pages, runner.sizes), repeats)
 
 
 def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
@@ -150,11 +144,8 @@ def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
     runner = engine.runner
     program = runner.programs.get(shape, with_lse)
     with tempfile.TemporaryDirectory() as tmp:
-        with tracing(trace_dir or tmp):
-            start = time.perf_counter()
-            for _ in range(repeats):
-                runner.run(batch, shape, with_lse)
-            traced = (time.perf_counter() - start) / repeats
+        traced = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats,
+                           trace_dir or tmp)
         split = breakdown(program, trace_dir or tmp, repeats, SCOPES)
     return {"traced_wall_s": traced, **split}
 

@@ -38,7 +38,7 @@ class ModelRunner:
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
         if devices[0].platform == "cpu":
-            params = per_layer_matrices(params, cfg.num_layers)
+            params = per_layer_matrices(params)
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
         self.cache = self._new_cache()
         self.programs = ForwardPrograms(cfg, buckets, backend, self.mesh, self.shards,
