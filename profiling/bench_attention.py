@@ -1,14 +1,17 @@
 """Ragged paged attention over prefill and multi-item shapes: work after block skipping
-(the kernel's own cost estimate at the plan's real steps), the v6e roofline, and measured time
-on whatever backend runs it.
+(the kernel's own cost estimate at the plan's real steps), the v6e roofline, the v6e estimate
+from the compiled kernel's schedule, and measured time on whatever backend runs it.
 
 python -m profiling.bench_attention [--backend auto|xla|reference|pallas] [--shapes ...]
-    [--q-block N --kv-block N] [--repeats 3] [--trace-dir D] [--out attention.json]
+    [--q-block N --kv-block N] [--page N] [--[no]estimate] [--repeats 3] [--trace-dir D]
+    [--out attention.json]
 Heads default to Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128), bfloat16, one layer,
 inputs from seed 0. Timing: with the Pallas kernel, its device time from a jax.profiler trace;
 otherwise wall clock of the jitted call after block_until_ready, median of repeats, after a
 warm-up call. `xla` is the planned loop the server runs off TPU; `reference` computes every
-masked pair.
+masked pair. The estimate (`profiling.tpu_schedule`, a model: no TPU ran it) compiles the
+Pallas kernel for v6e at the same block sizes and counts the plan's real steps, the once-per-q-
+block spans (the first step's init, the last step's store) weighted by how often they run.
 """
 import dataclasses
 import functools
@@ -19,12 +22,13 @@ import numpy as np
 from absl import app, flags
 
 from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
-from kernels.ragged_paged_attention_kernel import attention_cost
+from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS, kernel_impl
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
+from profiling.tpu_schedule import compile_schedules, estimate_seconds
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.cli_flags import parse_flags
@@ -32,6 +36,8 @@ from runtime.packing import causal_sequence, multi_item_sequence
 
 SHAPES = {"mis_120q_10x18": (120, [18] * 10), "mis_120q_64x18": (120, [18] * 64),
           "mis_120q_256x18": (120, [18] * 256), "causal_4096": (4096, None)}
+# A pool of 64 MiB per K and V: past what the compiler would place in VMEM, as a server's is.
+_POOL_BYTES = 64 * 2**20
 
 FLAGS = flags.FLAGS
 
@@ -43,6 +49,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("repeats", 3, "timed calls per shape")
     flags.DEFINE_integer("q_block", 0, "query tokens per block; 0: the TPU kind's table entry")
     flags.DEFINE_integer("kv_block", 0, "KV positions per block; 0: the TPU kind's table entry")
+    flags.DEFINE_integer("page", 16, "KV page size in tokens")
+    flags.DEFINE_bool("estimate", True, "add the v6e estimate from the compiled schedule")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per shape here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -96,13 +104,49 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats, trace_dir)
 
 
+def kernel_case(shape: str, q_block: int, kv_block: int, heads: dict):
+    """The Pallas kernel on `shape` as (fn, args) for `compile_schedules`."""
+    heads, sizes = Heads(**heads), BlockSizes(q_block, kv_block)
+    batch, max_q_len, n_pages = make_batch(*SHAPES[shape], heads, sizes)
+    pages = max(n_pages, _POOL_BYTES // (heads.kv * heads.page * heads.dim * 2))
+    sds = jax.ShapeDtypeStruct
+    pool = sds((1, heads.kv, pages, heads.page, heads.dim), jnp.bfloat16)
+
+    def attend(q, k, v, layer, md):
+        return ragged_paged_attention(q, k, v, layer, md, sm_scale=heads.dim ** -0.5,
+                                      max_q_len=max_q_len, sizes=sizes)
+    q = sds((batch.tokens.shape[0], heads.q, heads.dim), jnp.bfloat16)
+    return attend, (q, pool, pool, sds((), jnp.int32), batch.attention)
+
+
+def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> dict[str, dict]:
+    """Per shape: the kernel's bundles per step and the v6e estimate at the plan's real steps."""
+    cases = [dict(shape=name, q_block=sizes.q_block, kv_block=sizes.kv_block,
+                  heads=dataclasses.asdict(heads)) for name in shapes]
+    out = {}
+    for name, result in zip(shapes, compile_schedules("profiling.bench_attention:kernel_case",
+                                                      cases)):
+        schedule = result["kernels"]["ragged_paged_attention"]
+        plan = make_batch(*SHAPES[name], heads, sizes)[0].attention.plan
+        steps, q_blocks = visited_kv_blocks(plan), int((plan.row_pos.max(axis=1) >= 0).sum())
+        once_per_q_block = {i: 1 - q_blocks / steps for i, span in enumerate(schedule.spans)
+                            if span.depth == 2}
+        out[name] = {"step_bundles": schedule.step_bundles(once_per_q_block),
+                     "step_units": schedule.step_units,
+                     "v6e_estimate_s": estimate_seconds(schedule, steps,
+                                                        skipped=once_per_q_block)}
+    return out
+
+
 def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
-        q_block: int = 0, kv_block: int = 0, trace_dir: str | None = None) -> dict:
+        q_block: int = 0, kv_block: int = 0, trace_dir: str | None = None,
+        estimate: bool = False) -> dict:
     if backend == "auto":
         backend = "pallas" if jax.default_backend() == "tpu" else "xla"
     device = jax.devices()[0].device_kind
     table = default_block_sizes("TPU v6 lite" if backend != "pallas" else device, heads.page)
     sizes = BlockSizes(q_block or table.q_block, kv_block or table.kv_block)
+    estimates = schedule_estimates(shapes, heads, sizes) if estimate else {}
     rows = {}
     for name in shapes:
         batch, max_q_len, n_pages = make_batch(*SHAPES[name], heads, sizes)
@@ -111,23 +155,31 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
                           subdir(trace_dir, name))
         rows[name] = {"kv_blocks_visited": visited, "kv_blocks_dense_causal": dense,
                       **roofline(cost.flops, cost.bytes_accessed, seconds)}
+        if name in estimates:
+            rows[name].update(estimates[name], estimate_fraction_of_roofline=(
+                rows[name]["v6e_roofline_s"] / estimates[name]["v6e_estimate_s"]))
     timing = TRACE_DEVICE_TIME if backend == "pallas" else WALL_CLOCK
     return {"backend": backend, "device": device, "heads": dataclasses.asdict(heads),
             "block_sizes": dataclasses.asdict(sizes), "dtype": "bfloat16", "timing": timing,
-            "shapes": rows}
+            "estimate": "v6e, from the compiled schedule (profiling.tpu_schedule): a model"
+            if estimate else None, "shapes": rows}
 
 
 def main(argv) -> None:
     del argv
-    result = run(FLAGS.shapes, FLAGS.backend, FLAGS.repeats, q_block=FLAGS.q_block,
-                 kv_block=FLAGS.kv_block, trace_dir=FLAGS.trace_dir)
+    result = run(FLAGS.shapes, FLAGS.backend, FLAGS.repeats, Heads(page=FLAGS.page),
+                 q_block=FLAGS.q_block, kv_block=FLAGS.kv_block, trace_dir=FLAGS.trace_dir,
+                 estimate=FLAGS.estimate)
     print(f"backend={result['backend']} device={result['device']} blocks={result['block_sizes']} "
           f"timing: {result['timing']}")
     for name, r in result["shapes"].items():
         print(f"{name:18s} KV blocks {r['kv_blocks_visited']}/{r['kv_blocks_dense_causal']} "
               f"{r['flops'] / 1e9:.2f} GFLOP {r['hbm_bytes'] / 1e6:.2f} MB; v6e bound "
               f"{r['v6e_roofline_s'] * 1e6:.1f} us; measured {r['measured_s'] * 1e3:.1f} ms "
-              f"({r['v6e_fraction']:.2e} of the v6e bound)")
+              f"({r['v6e_fraction']:.2e} of the v6e bound)" + (
+                  f"; v6e estimate (model) {r['v6e_estimate_s'] * 1e6:.1f} us, "
+                  f"{r['estimate_fraction_of_roofline']:.0%} of the bound"
+                  if "v6e_estimate_s" in r else ""))
     write_json(result, FLAGS.out)
 
 

@@ -37,13 +37,20 @@ def test_bench_engine_cli_writes_json(model_dirs, tmp_path):
 def test_bench_attention_reports_work_and_time(backend):
     from profiling.bench_attention import Heads, run
     result = run(["mis_120q_10x18", "mis_120q_64x18"], backend, repeats=1,
-                 heads=Heads(q=2, kv=1, dim=64, page=16), q_block=64, kv_block=64)
+                 heads=Heads(q=2, kv=1, dim=64, page=16), q_block=64, kv_block=64,
+                 estimate=backend == "xla")
     small, large = result["shapes"]["mis_120q_10x18"], result["shapes"]["mis_120q_64x18"]
     assert large["kv_blocks_visited"] < large["kv_blocks_dense_causal"]
     assert small["flops"] == 4 * small["kv_blocks_visited"] * 2 * 64 * 64 * 64
     for row in (small, large):
         assert row["measured_s"] > 0 and row["v6e_roofline_s"] > 0
         assert row["v6e_fraction"] == pytest.approx(row["v6e_roofline_s"] / row["measured_s"])
+        if backend == "xla":  # the model: the kernel compiled for v6e, at the plan's steps
+            assert 0 < row["estimate_fraction_of_roofline"] < 1
+            assert row["v6e_estimate_s"] > row["kv_blocks_visited"] * row["step_bundles"] / 2e9
+            assert row["step_units"]["mxu"] > 0 and row["step_units"]["eup"] > 0
+    if backend == "xla":  # more steps per q block there: the once-per-q-block spans weigh less
+        assert large["step_bundles"] < small["step_bundles"]
 
 
 def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):

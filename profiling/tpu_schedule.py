@@ -1,0 +1,279 @@
+"""A static TPU v6e cost model for Pallas kernels, read from the TPU compiler's own schedule.
+
+The TensorCore issues one VLIW bundle per cycle, in order, and the compiler writes the final
+bundles of every Mosaic kernel out (`LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR`, read when libtpu
+starts: so the compile runs in a child process, `profiling.tpu_schedule_worker`). From that
+listing, per kernel:
+- the grid-step loop (the outermost loop, `LB` at depth 1) and the bundles before (prologue)
+  and after it (epilogue);
+- one grid step: its bundles, with loops inside it counted times their trip counts, and the
+  spans a branch can skip (a `pl.when` body the compiler did not predicate), each with its
+  bundles and DMA bytes;
+- instruction counts of one step by unit (MXU, VPU, EUP transcendentals, XLU cross-lane,
+  vector loads and stores, DMA, scalar) and the HBM bytes its DMAs move.
+
+The estimate, `estimate_seconds`, assumes:
+- one bundle per cycle at a fixed clock (calibrated by `profiling.calibrate_v6e`), with no
+  stall other than waiting for DMAs: the schedule already holds the MXU and EUP latencies;
+- a step's DMAs overlap the step's compute (the kernels double-buffer), so a step costs the
+  larger of its bundles at the clock and its DMA bytes at the HBM bandwidth;
+- every span of a step runs unless the caller says how often it is skipped;
+- the prologue and epilogue run once, and do not overlap anything.
+"""
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+V6E_HBM_BYTES_PER_S = 1.64e12
+# Bundles per second: the median that `python -m profiling.calibrate_v6e` finds on five Pallas
+# matmuls against XLA's estimate for the same dots (1.63-1.81 GHz on four; see the README).
+V6E_CLOCK_HZ = 1.70e9
+DMA_GRANULE_BYTES = 32  # `size_in_granules` of a DMA: checked against block sizes in the tests
+
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|0)\s+([A-Z]{2})?:?\s*(>*)\s*\{(.*)$")
+_OPCODE = re.compile(r"^\s*(?:%[\w.]+\s*=\s*)?([a-z_][\w.]*)")
+_BRANCH = re.compile(r"sbr\.rel \((!?)%(\w+)\) target = \$region(\d+)")
+_REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)")
+_GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
+_COMPARE = re.compile(r"%(\w+) = scmp\.(\w+)\.s32\.totalorder %\w+, (\d+)\b")
+
+UNITS = ("mxu", "vpu", "eup", "xlu", "vector_load", "vector_store", "dma", "scalar")
+_EUP = ("vpow2", "vexp", "vlog", "vrcp", "vrsqrt", "vtanh", "vsqrt", "vpop.eup")
+_NOT_VPU = ("vsync", "vwait", "vdelay", "vset")
+
+
+def unit_of(opcode: str) -> str:
+    if opcode.startswith(("vmatmul", "vmatpush", "vmatprep")) or ".mrf." in opcode:
+        return "mxu"
+    if opcode.startswith(_EUP):
+        return "eup"
+    if ".xlu" in opcode or opcode.startswith(("vperm", "vxlane", "vrot")):
+        return "xlu"
+    if opcode.startswith("vld"):
+        return "vector_load"
+    if opcode.startswith("vst"):
+        return "vector_store"
+    if opcode.startswith("dma"):
+        return "dma"
+    if opcode.startswith("v") and not opcode.startswith(_NOT_VPU):
+        return "vpu"
+    return "scalar"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    address: int
+    depth: int             # loop nesting: 0 outside the grid loop, 1 in it, 2 in a loop in it
+    loop_start: bool       # the first bundle of a loop body (`LB`)
+    opcodes: tuple[str, ...]
+    hbm_dma_bytes: int     # bytes the bundle's DMAs move between HBM and VMEM
+    branch: tuple[bool, str, int] | None  # (negated, predicate, target region)
+    regions_started: tuple[int, ...]
+    compares: tuple[tuple[str, str, int], ...]  # (predicate, comparison, immediate)
+
+
+def _instructions(text: str) -> list[str]:
+    return [s for s in text.split(";;") if s.strip()]
+
+
+def parse_bundles(listing: str) -> list[Bundle]:
+    """The bundles of a `...-final_bundles.txt` listing; a bundle may run over several lines."""
+    chunks = []
+    for line in listing.splitlines():
+        m = _BUNDLE.match(line)
+        if m:
+            chunks.append([m, line[m.start(4):]])
+        elif chunks:
+            chunks[-1][1] += "\n" + line
+    return [_bundle(m, text) for m, text in chunks]
+
+
+def _bundle(m: re.Match, text: str) -> Bundle:
+    body, _, trailer = text.rpartition("}")
+    opcodes, dma_bytes, compares = [], 0, []
+    for instruction in _instructions(body):
+        op = _OPCODE.match(instruction)
+        if not op:
+            continue
+        opcodes.append(op.group(1))
+        if op.group(1).startswith("dma") and "hbm" in op.group(1):
+            granules = _GRANULES.search(instruction)
+            dma_bytes += int(granules.group(1)) * DMA_GRANULE_BYTES if granules else 0
+        compares += [(c.group(1), c.group(2), int(c.group(3)))
+                     for c in _COMPARE.finditer(instruction)]
+    branch = _BRANCH.search(body)
+    return Bundle(
+        address=int(m.group(1), 16), depth=len(m.group(3)), loop_start=m.group(2) == "LB",
+        opcodes=tuple(opcodes), hbm_dma_bytes=dma_bytes,
+        branch=(branch.group(1) == "!", branch.group(2), int(branch.group(3))) if branch else None,
+        regions_started=tuple(int(r) for r in _REGION_START.findall(trailer)),
+        compares=tuple(compares))
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Bundles of a grid step that a branch can skip."""
+    first: int        # address of its first bundle
+    depth: int        # spans it lies in
+    bundles: int
+    hbm_dma_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSchedule:
+    name: str
+    total_bundles: int     # the listing's bundles, each once
+    prologue: int          # before the grid-step loop
+    step: int              # one grid step, every span taken, inner loops times their trips
+    epilogue: int          # after the grid-step loop
+    step_units: dict       # instructions of one grid step by unit (UNITS)
+    step_hbm_dma_bytes: int
+    spans: tuple[Span, ...]         # skippable spans of a step, nested ones too, in order
+    inner_loops: tuple[tuple[int, int | None], ...]  # (bundles per trip, trips or None)
+
+    def step_bundles(self, skipped: dict[int, float] | None = None) -> float:
+        """Bundles of an average step when span i is skipped (and the spans it lies in are
+        not) in a fraction skipped[i] of steps."""
+        return self.step - sum(self.spans[i].bundles * f for i, f in (skipped or {}).items())
+
+    def step_bytes(self, skipped: dict[int, float] | None = None) -> float:
+        return self.step_hbm_dma_bytes - sum(self.spans[i].hbm_dma_bytes * f
+                                             for i, f in (skipped or {}).items())
+
+
+def _loop_trips(body: list[Bundle]) -> int | None:
+    """Trips of an inner loop whose back edge is `sbr.rel (!p)` on `p = scmp.ge i + 1, N`
+    (the form Mosaic emits for a counted loop from 0); None for any other form."""
+    edge = next((b.branch for b in reversed(body) if b.branch), None)
+    if edge is None or not edge[0]:
+        return None
+    compares = {p: (cmp, n) for b in body for p, cmp, n in b.compares}
+    cmp, n = compares.get(edge[1], (None, 0))
+    return n if cmp == "ge" and n > 0 else None
+
+
+def _spans(step: list[Bundle], weights: list[int]) -> tuple[Span, ...]:
+    """Forward-branch spans of the step, nested ones included: from the bundle after a branch
+    to the bundle that starts its target region."""
+    starts = {}
+    for i, b in enumerate(step):
+        for r in b.regions_started:
+            starts.setdefault(r, i)
+    spans, open_ends = [], []
+    for i, b in enumerate(step):
+        open_ends = [e for e in open_ends if e > i]
+        target = starts.get(b.branch[2]) if b.branch else None
+        if target is None or target <= i + 1:
+            continue
+        body = range(i + 1, target)
+        spans.append(Span(step[i + 1].address, len(open_ends), sum(weights[j] for j in body),
+                          sum(step[j].hbm_dma_bytes * weights[j] for j in body)))
+        open_ends.append(target)
+    return tuple(spans)
+
+
+def schedule_of(name: str, total_bundles: int, bundles: list[Bundle]) -> KernelSchedule:
+    """Read one kernel's listing as prologue, grid step (weighted by inner-loop trips),
+    epilogue."""
+    first = next((i for i, b in enumerate(bundles) if b.loop_start and b.depth == 1), None)
+    if first is None:  # no grid loop: a single-step kernel
+        first = len(bundles)
+    last = max((i for i, b in enumerate(bundles) if b.depth >= 1), default=first - 1)
+    step = bundles[first:last + 1]
+    weights, loops, i = [1] * len(step), [], 0
+    while i < len(step):
+        if step[i].depth >= 2:
+            j = i
+            while j < len(step) and step[j].depth >= 2:
+                j += 1
+            trips = _loop_trips(step[i:j])
+            loops.append((j - i, trips))
+            weights[i:j] = [trips or 1] * (j - i)
+            i = j
+        else:
+            i += 1
+    units = collections.Counter({u: 0 for u in UNITS})
+    for b, w in zip(step, weights):
+        for op in b.opcodes:
+            units[unit_of(op)] += w
+    return KernelSchedule(
+        name=name, total_bundles=total_bundles, prologue=first, step=sum(weights),
+        epilogue=len(bundles) - last - 1, step_units=dict(units),
+        step_hbm_dma_bytes=sum(b.hbm_dma_bytes * w for b, w in zip(step, weights)),
+        spans=_spans(step, weights), inner_loops=tuple(loops))
+
+
+def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E_CLOCK_HZ,
+                     hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S,
+                     skipped: dict[int, float] | None = None) -> float:
+    """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue."""
+    per_step = max(schedule.step_bundles(skipped) / clock_hz,
+                   schedule.step_bytes(skipped) / hbm_bytes_per_s)
+    return steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
+
+
+_TOTAL = re.compile(r"total scheduled bundles:\s*(\d+)")
+_LISTING = re.compile(r"^\d+-(.+?)(?:\.\d+)?-\d+-final_bundles\.txt$")
+
+
+def read_dumps(dump_dir: str) -> dict[str, KernelSchedule]:
+    """Every Mosaic kernel's schedule in a dump directory, by `pallas_call` name."""
+    files = sorted(os.listdir(dump_dir))
+    out = {}
+    for fname in files:
+        m = _LISTING.match(fname)
+        if not m or m.group(1).startswith(("<", "TLP")):
+            continue
+        with open(os.path.join(dump_dir, fname)) as f:
+            bundles = parse_bundles(f.read())
+        prefix = fname[:m.end(1)]
+        analysis = [a for a in files if a.startswith(prefix)
+                    and a.endswith("schedule-analysis_final_bundles.txt")]
+        total = len(bundles)
+        if analysis:
+            with open(os.path.join(dump_dir, analysis[0])) as f:
+                total = int(_TOTAL.search(f.read()).group(1))
+        out[m.group(1)] = schedule_of(m.group(1), total, bundles)
+    return out
+
+
+def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600) -> list[dict]:
+    """Compile `builder(**case)` -> (fn, args) for one v6e chip in a child process whose libtpu
+    dumps its schedules, one case after another. Per case: {"kernels": {name:
+    KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds}.
+    `builder` is "module:function", importable from the repository root."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, LIBTPU_INIT_ARGS=(
+            os.environ.get("LIBTPU_INIT_ARGS", "") + f" --xla_jf_dump_to={tmp}/dumps").strip(),
+            TPU_ACCELERATOR_TYPE=os.environ.get("TPU_ACCELERATOR_TYPE", "v6e-4"),
+            ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # this process may hold libtpu too; no TPU here
+        out = os.path.join(tmp, "schedules.json")
+        request = json.dumps({"builder": builder, "cases": cases, "dump_dir": f"{tmp}/dumps",
+                              "out": out})
+        done = subprocess.run([sys.executable, "-m", "profiling.tpu_schedule_worker"],
+                              input=request, text=True, capture_output=True, env=env,
+                              timeout=timeout_s, cwd=_repository_root())
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {builder} for v6e failed:\n{done.stderr[-4000:]}")
+        with open(out) as f:
+            results = json.load(f)
+    return [{"kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()},
+             "xla": r["xla"]} for r in results]
+
+
+def _repository_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def schedule_to_json(s: KernelSchedule) -> dict:
+    return dataclasses.asdict(s)
+
+
+def _schedule_from_json(d: dict) -> KernelSchedule:
+    return KernelSchedule(**{**d, "spans": tuple(Span(**s) for s in d["spans"]),
+                             "inner_loops": tuple(tuple(x) for x in d["inner_loops"])})

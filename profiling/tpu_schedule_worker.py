@@ -1,0 +1,41 @@
+"""Child process of `profiling.tpu_schedule.compile_schedules`: started with libtpu told to dump
+its schedules, it compiles each case for one v6e chip and writes what the dumps say.
+
+Reads a JSON request on stdin: {"builder": "module:function", "cases": [kwargs, ...],
+"dump_dir": D, "out": F}; `builder(**kwargs)` returns (fn, args) for `compile_for_v6e`.
+"""
+import importlib
+import json
+import shutil
+import sys
+
+from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
+from profiling.tpu_schedule import read_dumps, schedule_to_json
+
+
+def xla_costs(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    optimal = cost.get("optimal_seconds", -1.0)
+    return {"flops": cost.get("flops", 0.0), "bytes_accessed": cost.get("bytes accessed", 0.0),
+            "optimal_s": optimal if optimal > 0 else None}
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    module, function = request["builder"].split(":")
+    builder = getattr(importlib.import_module(module), function)
+    results = []
+    for case in request["cases"]:
+        shutil.rmtree(request["dump_dir"], ignore_errors=True)
+        fn, args = builder(**case)
+        compiled = compile_for_v6e(fn, *args)
+        kernels = read_dumps(request["dump_dir"])
+        results.append({"kernels": {k: schedule_to_json(kernels[k])
+                                    for k in mosaic_kernels(compiled)},
+                        "xla": xla_costs(compiled)})
+    with open(request["out"], "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The static v6e cost model: the schedule listing's parser on a listing written here, and the
+real compiler's schedules of kernels whose work is known."""
+import pytest
+
+from profiling.tpu_schedule import (
+    V6E_CLOCK_HZ,
+    V6E_HBM_BYTES_PER_S,
+    compile_schedules,
+    estimate_seconds,
+    parse_bundles,
+    schedule_of,
+)
+
+# The shape of a `...-final_bundles.txt` listing: a prologue, a grid loop (depth 1) holding a
+# branch around a counted inner loop (4 trips), DMAs in and out, an epilogue; a bundle may
+# run over several lines.
+LISTING = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %s1_s0 = inlined_call_operand.hbm [shape: bf16[8,128]] }
+   0x1   :  { %2 = vsyncpa [#allocation4], 0 } /* Start region 1 */
+   0x2 LB: > { %s3_s1 = sadd.s32 1, %s4_s1  ;;  %5 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s1_s0,
+/*size_in_granules=*/64, /*vmem=*/%s6 } /* Start region 2 */
+   0x3   : > { %7 = sbr.rel (%p8_p0) target = $region5 }
+   0x4   : > { %v9_v0 = vld [vmem:[%s6] sm:$0xff]  ;;  %v10 = vpow2.f32 %v9_v0 }
+   0x5 LB: >> { %v11 = vmatmul.mubr.bf16.gmra.mxu0 %v9_v0  ;;  %s12_s2 = sadd.s32 1, %s13_s2
+  ;;  %p14_p1 = scmp.ge.s32.totalorder %s12_s2, 4 } /* Start region 7 */
+   0x6   : >> { %v15 = vpop.f32.mrf.mxu0  ;;  %16 = sbr.rel (!%p14_p1) target = $region7 }
+   0x7   : > { %17 = vst [vmem:[%s6] sm:$0xff] /*vst_source=*/%v15 }
+   0x8 PF: > { %18 = dma.vmem_to_hbm [thread:$0]  /*vmem=*/%s6, /*size_in_granules=*/32,
+/*hbm=*/%s1 } /* Start/End empty region 5 */
+   0x9   : > { %19 = sbr.rel (!%p20_p2) target = $region2 }
+   0xa   :  { %21 = vsyncpa [#allocation4], 1 }
+"""
+
+
+def test_a_listing_reads_as_prologue_step_and_epilogue():
+    s = schedule_of("k", 11, parse_bundles(LISTING))
+    assert (s.prologue, s.step, s.epilogue) == (2, 14, 1)  # the inner loop counts 4 times
+    assert s.inner_loops == ((2, 4),)
+    assert s.step_hbm_dma_bytes == (64 + 32) * 32
+    assert s.step_units == {"mxu": 8, "vpu": 0, "eup": 1, "xlu": 0, "vector_load": 1,
+                            "vector_store": 1, "dma": 2, "scalar": 15}
+    (span,) = s.spans  # the bundles the branch at 0x3 skips: 0x4 to 0x7
+    assert (span.first, span.depth, span.bundles, span.hbm_dma_bytes) == (4, 0, 10, 0)
+    assert s.step_bundles({0: 0.5}) == 9
+    clock = 1e9
+    assert estimate_seconds(s, 10, clock) == pytest.approx(10 * 14 / clock + 3 / clock)
+    slow_hbm = 3072 / (14 / clock) / 2  # DMAs take twice the bundles' time
+    assert estimate_seconds(s, 10, clock, slow_hbm) == pytest.approx(10 * 28 / clock + 3 / clock)
+
+
+def test_compiled_kernels_dma_the_bytes_of_their_blocks():
+    """A Pallas matmul and copy through the real compiler: a step's DMAs move exactly its
+    blocks, the MXU work of a step grows with its K block, and a copy is DMA-bound."""
+    blocks = [dict(m=512, k=2048, n=512, bm=256, bk=bk, bn=256) for bk in (512, 1024)]
+    matmuls = compile_schedules("profiling.calibrate_v6e:pallas_matmul", blocks)
+    mxu = []
+    for case, result in zip(blocks, matmuls):
+        s = result["kernels"]["calibration_matmul"]
+        bm, bk, bn = case["bm"], case["bk"], case["bn"]
+        assert s.step_hbm_dma_bytes == 2 * (bm * bk + bk * bn + bm * bn)  # bf16 in, out
+        assert s.step_units["eup"] == 0 and s.prologue + s.epilogue < s.step
+        mxu.append(s.step_units["mxu"])
+    assert 1.8 < mxu[1] / mxu[0] < 2.2, mxu
+    (copy,) = compile_schedules("profiling.calibrate_v6e:pallas_copy",
+                                [dict(rows=4096, cols=1024, block_rows=512)])
+    s = copy["kernels"]["calibration_copy"]
+    assert s.step_hbm_dma_bytes == 2 * 512 * 1024 * 4
+    hbm_bound = 8 * s.step_hbm_dma_bytes / V6E_HBM_BYTES_PER_S
+    assert estimate_seconds(s, 8, 1.7e9) == pytest.approx(hbm_bound, rel=0.02)
+
+
+def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
+    """bench_attention weights the step's depth-2 spans (the first step's init, the last
+    step's store) by how often they run: they must be there, and small."""
+    (result,) = compile_schedules("profiling.bench_attention:kernel_case", [dict(
+        shape="mis_120q_64x18", q_block=128, kv_block=512,
+        heads=dict(q=16, kv=8, dim=128, page=128))])
+    s = result["kernels"]["ragged_paged_attention"]
+    once = [span for span in s.spans if span.depth == 2]
+    assert len(once) == 2 and all(span.bundles < 0.1 * s.step for span in once), s.spans
+    # one DMA per page: K and V of a 512-token block in 128-token pages, for the step and the
+    # next one (started ahead; the first step's own start is predicated, not branched around)
+    assert s.step_hbm_dma_bytes == 2 * 2 * 4 * 8 * 128 * 128 * 2
+
+
+def test_calibration_matmuls_agree_with_the_clock():
+    """The clock constant holds for two of the calibration matmuls: XLA's estimate for the dot
+    and the kernel's bundles at V6E_CLOCK_HZ within 10%."""
+    from profiling.calibrate_v6e import MATMULS, matmul_rows
+    for row in matmul_rows(MATMULS[:2]):
+        assert row["bundles"] / V6E_CLOCK_HZ == pytest.approx(row["xla_optimal_s"], rel=0.1)
