@@ -5,9 +5,12 @@ AttentionPlan: one (q block, visible KV block) pair per step. KV pages stay in H
 copied page by page into a two-slot VMEM buffer, the next step's pages in flight while the
 current step computes. Page tables, lengths and the plan live in SMEM (scalar prefetch).
 The online softmax (max, sum, accumulator) is float32, one KV head at a time, its GQA group
-of query heads stacked as rows.
+of query heads stacked as rows. Scores are laid out keys by rows ([kv_block, rows]): the
+reductions over keys then run across vregs and sublanes instead of across lanes, which in the
+compiled v6e schedule cut a step by a fifth (profiling.tpu_schedule; README).
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes
 from kernels.ragged_paged_attention import AttentionMetadata, check_shapes
-from kernels.tpu_tiles import LANES
 
 _MASKED = -1e30
 
@@ -35,18 +37,23 @@ def _page_copies(step, slot, refs, *, pages_per_seq, pages_per_block):
     return copies
 
 
-def _online_softmax_step(q, k, v, mask, m_ref, l_ref, acc_ref, h, sm_scale):
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * sm_scale
-    s = jnp.where(mask, s, _MASKED)
-    m_prev, l_prev = m_ref[h], l_ref[h]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [rows, lanes]
-    alpha = jnp.exp(m_prev - m_next)
-    p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
-    l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+def _online_softmax_step(q, k, v, bias, m_ref, l_ref, acc_ref, h, scale):
+    """Keys on sublanes, rows on lanes: s is [kv_block, rows], so the max and the sum over
+    keys are sums across vregs and sublanes (VPU), not across lanes. Scores are scaled by
+    sm_scale * log2(e), so the softmax runs in base 2. A masked key gets -1e30: a row that
+    sees nothing yet sums junk at a running max near -1e30, which its first visible key
+    rescales by exp2(-1e30 - max) = 0; a row that never sees a key is a padding row."""
+    s = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale + bias
+    m_prev, l_prev = m_ref[h], l_ref[h]  # [1, rows]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
+    alpha = jnp.exp2(m_prev - m_next)
+    p = jnp.exp2(s - m_next)
+    l_ref[h] = alpha * l_prev + jnp.sum(p, axis=0, keepdims=True)
     m_ref[h] = m_next
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+    pv = jax.lax.dot_general(v, p.astype(v.dtype), (((0,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [D, rows]
+    acc_ref[h] = acc_ref[h] * alpha + pv
 
 
 def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_ref, pages_ref,
@@ -88,20 +95,23 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
 
         seq = block_seq_ref[step_block_ref[i]]
         rows = q_ref.shape[2]
-        col = step_kv_ref[i] * kv_block + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_block), 1)
-        pos, vis = pos_ref[0], vis_ref[0]  # [rows, 1]
+        col = step_kv_ref[i] * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, rows), 0)
+        pos, vis = pos_ref[0], vis_ref[0]  # [1, rows]
         mask = ((col <= pos) & ((col < prefix_lens_ref[seq]) | (col >= vis))
                 & (col < kv_lens_ref[seq]))
+        bias = jnp.where(mask, 0.0, _MASKED)
         k_all, v_all = k_buf[slot], v_buf[slot]  # [pages_per_block, Hkv, page, D]
         for h in range(q_ref.shape[1]):
             k = k_all[:, h].reshape(kv_block, -1)
             v = v_all[:, h].reshape(kv_block, -1)
-            _online_softmax_step(q_ref[0, h], k, v, mask, m_ref, l_ref, acc_ref, h, sm_scale)
+            _online_softmax_step(q_ref[0, h], k, v, bias, m_ref, l_ref, acc_ref, h,
+                                 sm_scale * math.log2(math.e))
 
         @pl.when((flags & LAST) != 0)
         def _():
-            denom = l_ref[...][:, :, :1]  # 0 only for padding rows, which see nothing
-            o_ref[0] = (acc_ref[...] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+            denom = l_ref[...]  # 0 only for padding rows, which see nothing
+            out = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)  # [Hkv, D, rows]
+            o_ref[0] = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)
 
 
 def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
@@ -136,7 +146,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
     q_blocks = q[plan.block_tokens].reshape(n_blocks, bq, hkv, group, d)
     q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(n_blocks, hkv, rows, d)
-    per_row = lambda x: jnp.tile(x, (1, group))[:, :, None]  # noqa: E731  rows are (g, t)
+    per_row = lambda x: jnp.tile(x, (1, group))[:, None, :]  # noqa: E731  rows are (g, t)
     block_map = lambda i, lyr, sb, *_: (sb[i], 0, 0, 0)  # noqa: E731
     row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
     kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
@@ -145,17 +155,17 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         num_scalar_prefetch=8,
         grid=(jnp.asarray(plan.num_steps, jnp.int32),),
         in_specs=[pl.BlockSpec((1, hkv, rows, d), block_map),
-                  pl.BlockSpec((1, rows, 1), row_map),
-                  pl.BlockSpec((1, rows, 1), row_map),
+                  pl.BlockSpec((1, 1, rows), row_map),
+                  pl.BlockSpec((1, 1, rows), row_map),
                   pl.BlockSpec(memory_space=pl.ANY),
                   pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((1, hkv, rows, d), block_map),
         scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
                         pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.VMEM((hkv, rows, LANES), jnp.float32),
-                        pltpu.VMEM((hkv, rows, LANES), jnp.float32),
-                        pltpu.VMEM((hkv, rows, d), jnp.float32)])
+                        pltpu.VMEM((hkv, 1, rows), jnp.float32),
+                        pltpu.VMEM((hkv, 1, rows), jnp.float32),
+                        pltpu.VMEM((hkv, d, rows), jnp.float32)])
     out = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",
         out_shape=jax.ShapeDtypeStruct((n_blocks, hkv, rows, d), q.dtype),

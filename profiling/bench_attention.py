@@ -131,10 +131,15 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
         steps, q_blocks = visited_kv_blocks(plan), int((plan.row_pos.max(axis=1) >= 0).sum())
         once_per_q_block = {i: 1 - q_blocks / steps for i, span in enumerate(schedule.spans)
                             if span.depth == 2}
+        # K and V of one KV block, and a q block in and out once per q block (the listing
+        # also holds the first step's prefetch, predicated)
+        step_bytes = attention_cost(steps, q_blocks, sizes.q_block * heads.q // heads.kv,
+                                    heads.kv, heads.dim, sizes.kv_block, 2).bytes_accessed / steps
         out[name] = {"step_bundles": schedule.step_bundles(once_per_q_block),
-                     "step_units": schedule.step_units,
-                     "v6e_estimate_s": estimate_seconds(schedule, steps,
-                                                        skipped=once_per_q_block)}
+                     "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
+                     "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
+                     "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=once_per_q_block,
+                                                        step_bytes=step_bytes)}
     return out
 
 

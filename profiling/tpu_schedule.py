@@ -17,7 +17,8 @@ The estimate, `estimate_seconds`, assumes:
   stall other than waiting for DMAs: the schedule already holds the MXU and EUP latencies;
 - a step's DMAs overlap the step's compute (the kernels double-buffer), so a step costs the
   larger of its bundles at the clock and its DMA bytes at the HBM bandwidth;
-- every span of a step runs unless the caller says how often it is skipped;
+- every span of a step runs unless the caller says how often it is skipped, and every DMA
+  listed in a step moves its bytes unless the caller gives the step's bytes;
 - the prologue and epilogue run once, and do not overlap anything.
 """
 import collections
@@ -210,10 +211,15 @@ def schedule_of(name: str, total_bundles: int, bundles: list[Bundle]) -> KernelS
 
 def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E_CLOCK_HZ,
                      hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S,
-                     skipped: dict[int, float] | None = None) -> float:
-    """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue."""
-    per_step = max(schedule.step_bundles(skipped) / clock_hz,
-                   schedule.step_bytes(skipped) / hbm_bytes_per_s)
+                     skipped: dict[int, float] | None = None,
+                     step_bytes: float | None = None) -> float:
+    """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue.
+    `step_bytes` replaces the listing's DMA bytes per step where the caller knows better: a
+    DMA the compiler predicated instead of branching around (the first step's prefetch, say)
+    is listed in every step."""
+    if step_bytes is None:
+        step_bytes = schedule.step_bytes(skipped)
+    per_step = max(schedule.step_bundles(skipped) / clock_hz, step_bytes / hbm_bytes_per_s)
     return steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
 
 
