@@ -2,14 +2,17 @@
 v6e roofline, and measured time, against a full-logits baseline.
 
 python -m profiling.bench_label_gather [--vocabs 49152,151936,262144] [--rows 1,8,64,256]
-    [--hidden 1024] [--labels 2] [--repeats 3] [--trace-dir D] [--out label_gather.json]
+    [--hidden 1024] [--labels 2] [--[no]estimate] [--repeats 3] [--trace-dir D]
+    [--out label_gather.json]
 Modes: labels only (apply_softmax=true: only the label rows of the head are read) and streamed
 logsumexp (apply_softmax=false: the head streamed once per block of rows, no logits written).
 Baseline: what a server that builds logits does: read the head, write [R, V] float32 logits,
 read them back for the log-softmax and the gather. bfloat16, inputs from seed 0.
 Timing: on TPU the Pallas kernels' device time in a profiler trace (the baseline by wall
 clock); elsewhere wall clock after block_until_ready of the path the server runs there (the
-row-blocked XLA loop), median of repeats after a warm-up call.
+row-blocked XLA loop), median of repeats after a warm-up call. The v6e estimate of each
+kernel (`profiling.tpu_schedule`, a model: no TPU ran it) compiles it for v6e and counts its
+grid steps, with the loop over labels run once per label.
 """
 import jax
 import jax.numpy as jnp
@@ -19,12 +22,14 @@ from absl import app, flags
 from kernels.label_gather import final_norm_label_gather_xla
 from kernels.label_gather_kernel import (
     final_norm_label_gather,
+    head_tile_rows,
     label_rows_cost,
     streamed_cost,
     streamed_row_block,
 )
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
+from profiling.tpu_schedule import compile_schedules, estimate_seconds
 from runtime.cli_flags import parse_flags
 
 FLAGS = flags.FLAGS
@@ -36,6 +41,7 @@ def define_flags() -> None:
     flags.DEFINE_list("rows", ["1", "8", "64", "256"], "scored rows per call")
     flags.DEFINE_integer("hidden", 1024, "hidden size")
     flags.DEFINE_integer("labels", 2, "label ids per row")
+    flags.DEFINE_bool("estimate", True, "add the v6e estimate from the compiled schedules")
     flags.DEFINE_integer("repeats", 3, "timed calls per case")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per case here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
@@ -88,35 +94,88 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
     return times
 
 
+def kernel_case(mode: str, rows: int, vocab: int, hidden: int, labels: int):
+    """The mode's kernels as (fn, args) for `compile_schedules`, with at least two blocks of
+    rows: a grid of one step compiles without a grid loop, and the schedule's step would be
+    the loop over labels. A step's work does not depend on the number of rows."""
+    sds = jax.ShapeDtypeStruct
+    rows = max(rows, 16)
+    args = (sds((rows, hidden), jnp.bfloat16), sds((hidden,), jnp.bfloat16),
+            sds((vocab, hidden), jnp.bfloat16), sds((rows, labels), jnp.int32))
+    with_lse = mode == "streamed_logsumexp"
+
+    def gather(*a):
+        return final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse)
+    return gather, args
+
+
+def kernel_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
+    """Grid steps of the mode's kernel: blocks of 8 rows, or row blocks x vocabulary tiles."""
+    if mode == "labels_only":
+        return -(-rows // 8)
+    row_block = streamed_row_block(rows)
+    return -(-rows // row_block) * -(-vocab // head_tile_rows(vocab, hidden, 2))
+
+
+def schedule_estimates(cases: list[tuple[int, int]], hidden: int, labels: int) -> dict:
+    """(vocab, rows) -> mode -> the kernel's v6e estimate from its compiled schedule."""
+    requests = [dict(mode=mode, rows=rows, vocab=vocab, hidden=hidden, labels=labels)
+                for vocab, rows in cases for mode in KERNEL_NAMES]
+    out = {}
+    for req, result in zip(requests, compile_schedules("profiling.bench_label_gather:kernel_case",
+                                                       requests)):
+        schedule = result["kernels"][KERNEL_NAMES[req["mode"]]]
+        per_label = {j: labels for j, (_, trips, _) in enumerate(schedule.inner_loops)
+                     if trips is None}  # the loop over a row's labels: a runtime bound
+        steps = kernel_steps(req["mode"], req["rows"], req["vocab"], hidden)
+        # a head tile clamped at the vocabulary's end has a runtime size: the kernel's own count
+        flops_bytes = work(req["rows"], req["vocab"], hidden, labels)[req["mode"]]
+        step_bytes = flops_bytes[1] / steps if schedule.step_unsized_dmas else None
+        out.setdefault((req["vocab"], req["rows"]), {})[req["mode"]] = {
+            "step_bundles": schedule.step_bundles(loop_trips=per_label),
+            "v6e_estimate_s": estimate_seconds(schedule, steps, loop_trips=per_label,
+                                               step_bytes=step_bytes)}
+    return out
+
+
 def run(vocabs: list[int], rows_list: list[int], hidden: int, labels: int, repeats: int,
-        trace_dir: str | None = None) -> dict:
+        trace_dir: str | None = None, estimate: bool = False) -> dict:
+    estimates = (schedule_estimates([(v, r) for v in vocabs for r in rows_list], hidden, labels)
+                 if estimate else {})
     cases = []
     for vocab in vocabs:
         for rows in rows_list:
             seconds = measure(rows, vocab, hidden, labels, repeats,
                               subdir(trace_dir, f"V{vocab}_R{rows}"))
-            cases.append({"vocab": vocab, "rows": rows, "modes": {
-                mode: roofline(*cost, seconds[mode])
-                for mode, cost in work(rows, vocab, hidden, labels).items()}})
+            modes = {mode: roofline(*cost, seconds[mode])
+                     for mode, cost in work(rows, vocab, hidden, labels).items()}
+            for mode, e in estimates.get((vocab, rows), {}).items():
+                modes[mode].update(e, estimate_over_roofline=(
+                    e["v6e_estimate_s"] / modes[mode]["v6e_roofline_s"]))
+            cases.append({"vocab": vocab, "rows": rows, "modes": modes})
     tpu = jax.default_backend() == "tpu"
     return {"hidden": hidden, "labels": labels, "dtype": "bfloat16",
             "device": jax.devices()[0].device_kind,
             "measured": "Pallas kernels" if tpu else "XLA paths (the kernels need a TPU)",
             "timing": f"kernels: {TRACE_DEVICE_TIME}; baseline: {WALL_CLOCK}" if tpu
-            else WALL_CLOCK, "cases": cases}
+            else WALL_CLOCK, "estimate": "v6e, from the compiled schedules "
+            "(profiling.tpu_schedule): a model" if estimate else None, "cases": cases}
 
 
 def main(argv) -> None:
     del argv
     result = run([int(v) for v in FLAGS.vocabs], [int(r) for r in FLAGS.rows], FLAGS.hidden,
-                 FLAGS.labels, FLAGS.repeats, FLAGS.trace_dir)
+                 FLAGS.labels, FLAGS.repeats, FLAGS.trace_dir, FLAGS.estimate)
     print(f"H={result['hidden']} K={result['labels']} on {result['device']}: "
           f"{result['measured']}; timing: {result['timing']}")
     for case in result["cases"]:
         for mode, r in case["modes"].items():
             print(f"V={case['vocab']:6d} R={case['rows']:4d} {mode:20s} "
                   f"{r['hbm_bytes'] / 1e6:9.3f} MB {r['v6e_roofline_s'] * 1e6:8.2f} us(v6e) "
-                  f"{r['measured_s'] * 1e3:9.2f} ms(measured)")
+                  f"{r['measured_s'] * 1e3:9.2f} ms(measured)" + (
+                      f" {r['v6e_estimate_s'] * 1e6:8.2f} us(v6e estimate, model), "
+                      f"{r['estimate_over_roofline']:.2f}x the bound"
+                      if "v6e_estimate_s" in r else ""))
     write_json(result, FLAGS.out)
 
 

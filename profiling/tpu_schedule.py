@@ -20,6 +20,8 @@ The estimate, `estimate_seconds`, assumes:
 - every span of a step runs unless the caller says how often it is skipped, and every DMA
   listed in a step moves its bytes unless the caller gives the step's bytes;
 - the prologue and epilogue run once, and do not overlap anything.
+A grid of one step compiles without a grid loop (its outermost loop would be read as the grid
+loop): compile a kernel with two steps or more, and give the estimate its real steps.
 """
 import collections
 import dataclasses
@@ -73,6 +75,7 @@ class Bundle:
     loop_start: bool       # the first bundle of a loop body (`LB`)
     opcodes: tuple[str, ...]
     hbm_dma_bytes: int     # bytes the bundle's DMAs move between HBM and VMEM
+    unsized_dmas: int      # HBM DMAs whose size is a register (a clamped edge block, say)
     branch: tuple[bool, str, int] | None  # (negated, predicate, target region)
     regions_started: tuple[int, ...]
     compares: tuple[tuple[str, str, int], ...]  # (predicate, comparison, immediate)
@@ -96,7 +99,7 @@ def parse_bundles(listing: str) -> list[Bundle]:
 
 def _bundle(m: re.Match, text: str) -> Bundle:
     body, _, trailer = text.rpartition("}")
-    opcodes, dma_bytes, compares = [], 0, []
+    opcodes, dma_bytes, unsized, compares = [], 0, 0, []
     for instruction in _instructions(body):
         op = _OPCODE.match(instruction)
         if not op:
@@ -105,12 +108,13 @@ def _bundle(m: re.Match, text: str) -> Bundle:
         if op.group(1).startswith("dma") and "hbm" in op.group(1):
             granules = _GRANULES.search(instruction)
             dma_bytes += int(granules.group(1)) * DMA_GRANULE_BYTES if granules else 0
+            unsized += granules is None
         compares += [(c.group(1), c.group(2), int(c.group(3)))
                      for c in _COMPARE.finditer(instruction)]
     branch = _BRANCH.search(body)
     return Bundle(
         address=int(m.group(1), 16), depth=len(m.group(3)), loop_start=m.group(2) == "LB",
-        opcodes=tuple(opcodes), hbm_dma_bytes=dma_bytes,
+        opcodes=tuple(opcodes), hbm_dma_bytes=dma_bytes, unsized_dmas=unsized,
         branch=(branch.group(1) == "!", branch.group(2), int(branch.group(3))) if branch else None,
         regions_started=tuple(int(r) for r in _REGION_START.findall(trailer)),
         compares=tuple(compares))
@@ -133,18 +137,26 @@ class KernelSchedule:
     step: int              # one grid step, every span taken, inner loops times their trips
     epilogue: int          # after the grid-step loop
     step_units: dict       # instructions of one grid step by unit (UNITS)
-    step_hbm_dma_bytes: int
+    step_hbm_dma_bytes: int    # of the DMAs with a size in the listing
+    step_unsized_dmas: int     # DMAs of a step whose size is runtime data
     spans: tuple[Span, ...]         # skippable spans of a step, nested ones too, in order
-    inner_loops: tuple[tuple[int, int | None], ...]  # (bundles per trip, trips or None)
+    # (bundles per trip, trips or None where the bound is runtime data, DMA bytes per trip)
+    inner_loops: tuple[tuple[int, int | None, int], ...]
 
-    def step_bundles(self, skipped: dict[int, float] | None = None) -> float:
+    def step_bundles(self, skipped: dict[int, float] | None = None,
+                     loop_trips: dict[int, float] | None = None) -> float:
         """Bundles of an average step when span i is skipped (and the spans it lies in are
-        not) in a fraction skipped[i] of steps."""
-        return self.step - sum(self.spans[i].bundles * f for i, f in (skipped or {}).items())
+        not) in a fraction skipped[i] of steps, and inner loop j, whose bound is runtime data
+        (counted once in `step`), runs loop_trips[j] times."""
+        extra = sum((n - 1) * self.inner_loops[j][0] for j, n in (loop_trips or {}).items())
+        return self.step + extra - sum(self.spans[i].bundles * f
+                                       for i, f in (skipped or {}).items())
 
-    def step_bytes(self, skipped: dict[int, float] | None = None) -> float:
-        return self.step_hbm_dma_bytes - sum(self.spans[i].hbm_dma_bytes * f
-                                             for i, f in (skipped or {}).items())
+    def step_bytes(self, skipped: dict[int, float] | None = None,
+                   loop_trips: dict[int, float] | None = None) -> float:
+        extra = sum((n - 1) * self.inner_loops[j][2] for j, n in (loop_trips or {}).items())
+        return self.step_hbm_dma_bytes + extra - sum(self.spans[i].hbm_dma_bytes * f
+                                                     for i, f in (skipped or {}).items())
 
 
 def _loop_trips(body: list[Bundle]) -> int | None:
@@ -193,7 +205,7 @@ def schedule_of(name: str, total_bundles: int, bundles: list[Bundle]) -> KernelS
             while j < len(step) and step[j].depth >= 2:
                 j += 1
             trips = _loop_trips(step[i:j])
-            loops.append((j - i, trips))
+            loops.append((j - i, trips, sum(b.hbm_dma_bytes for b in step[i:j])))
             weights[i:j] = [trips or 1] * (j - i)
             i = j
         else:
@@ -206,20 +218,26 @@ def schedule_of(name: str, total_bundles: int, bundles: list[Bundle]) -> KernelS
         name=name, total_bundles=total_bundles, prologue=first, step=sum(weights),
         epilogue=len(bundles) - last - 1, step_units=dict(units),
         step_hbm_dma_bytes=sum(b.hbm_dma_bytes * w for b, w in zip(step, weights)),
+        step_unsized_dmas=sum(b.unsized_dmas * w for b, w in zip(step, weights)),
         spans=_spans(step, weights), inner_loops=tuple(loops))
 
 
 def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E_CLOCK_HZ,
                      hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S,
                      skipped: dict[int, float] | None = None,
-                     step_bytes: float | None = None) -> float:
+                     step_bytes: float | None = None,
+                     loop_trips: dict[int, float] | None = None) -> float:
     """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue.
-    `step_bytes` replaces the listing's DMA bytes per step where the caller knows better: a
-    DMA the compiler predicated instead of branching around (the first step's prefetch, say)
-    is listed in every step."""
+    `skipped` and `loop_trips` as in `KernelSchedule.step_bundles`. `step_bytes` replaces the
+    listing's DMA bytes per step where the caller knows better: a DMA the compiler predicated
+    instead of branching around (the first step's prefetch, say) is listed in every step."""
     if step_bytes is None:
-        step_bytes = schedule.step_bytes(skipped)
-    per_step = max(schedule.step_bundles(skipped) / clock_hz, step_bytes / hbm_bytes_per_s)
+        if schedule.step_unsized_dmas:
+            raise ValueError(f"{schedule.name}: {schedule.step_unsized_dmas} DMAs a step have "
+                             "a runtime size: pass step_bytes")
+        step_bytes = schedule.step_bytes(skipped, loop_trips)
+    per_step = max(schedule.step_bundles(skipped, loop_trips) / clock_hz,
+                   step_bytes / hbm_bytes_per_s)
     return steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
 
 

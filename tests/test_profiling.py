@@ -56,7 +56,7 @@ def test_bench_attention_reports_work_and_time(backend):
 def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
     from profiling.bench_label_gather import MODES, run
     result = run([3000, 5000], [1, 16], hidden=64, labels=2, repeats=1,
-                 trace_dir=str(tmp_path))
+                 trace_dir=str(tmp_path), estimate=True)
     assert [(c["vocab"], c["rows"]) for c in result["cases"]] == [
         (3000, 1), (3000, 16), (5000, 1), (5000, 16)]
     for case in result["cases"]:
@@ -69,6 +69,8 @@ def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
         assert modes["labels_only"]["flops"] == 2 * rows * 2 * 64 * 8  # a tile of 8 head rows
         for row in modes.values():
             assert row["measured_s"] > 0 and 0 < row["v6e_fraction"] < 1
+        for mode in ("labels_only", "streamed_logsumexp"):  # the model, never under HBM
+            assert modes[mode]["estimate_over_roofline"] >= 0.99
     assert len(list(tmp_path.rglob("*.xplane.pb"))) == 4 * len(MODES)  # a trace per measurement
 
 

@@ -38,7 +38,7 @@ LB: loop body
 def test_a_listing_reads_as_prologue_step_and_epilogue():
     s = schedule_of("k", 11, parse_bundles(LISTING))
     assert (s.prologue, s.step, s.epilogue) == (2, 14, 1)  # the inner loop counts 4 times
-    assert s.inner_loops == ((2, 4),)
+    assert s.inner_loops == ((2, 4, 0),)
     assert s.step_hbm_dma_bytes == (64 + 32) * 32
     assert s.step_units == {"mxu": 8, "vpu": 0, "eup": 1, "xlu": 0, "vector_load": 1,
                             "vector_store": 1, "dma": 2, "scalar": 15}
@@ -92,3 +92,27 @@ def test_calibration_matmuls_agree_with_the_clock():
     from profiling.calibrate_v6e import MATMULS, matmul_rows
     for row in matmul_rows(MATMULS[:2]):
         assert row["bundles"] / V6E_CLOCK_HZ == pytest.approx(row["xla_optimal_s"], rel=0.1)
+
+
+def test_a_loop_with_a_runtime_bound_counts_as_the_caller_says():
+    listing = LISTING.replace("%s12_s2, 4 }", "%s12_s2, %s99_s3 }")
+    s = schedule_of("k", 11, parse_bundles(listing))
+    assert s.inner_loops == ((2, None, 0),) and s.step == 8  # counted once
+    assert s.step_bundles(loop_trips={0: 4}) == 14
+
+
+def test_label_gather_schedules_loop_over_labels_and_size_their_dmas():
+    """Labels only: one loop with a runtime bound (the row's labels), each trip a DMA of one
+    tile of 8 head rows per row of the block. Streamed over a vocabulary that ends in a partial
+    tile: that tile's DMA has a runtime size, and the estimate asks for the step's bytes."""
+    hidden = 256
+    cases = [dict(mode=m, rows=16, vocab=5000, hidden=hidden, labels=2)
+             for m in ("labels_only", "streamed_logsumexp")]
+    rows, streamed = compile_schedules("profiling.bench_label_gather:kernel_case", cases)
+    s = rows["kernels"]["label_gather_rows"]
+    (loop,) = [loop for loop in s.inner_loops if loop[1] is None and loop[2]]
+    assert loop[2] == 8 * 8 * hidden * 2
+    s = streamed["kernels"]["label_gather_streamed"]
+    assert s.step_unsized_dmas > 0
+    with pytest.raises(ValueError, match="runtime size"):
+        estimate_seconds(s, 3)
