@@ -30,11 +30,11 @@ class BlockSizes:
 # the kernel alone would be faster at 256/256 (estimated from the compiled schedule, Qwen3-0.6B
 # heads, bf16, page 16: 11 / 39 / 181 us on 10 / 64 / 256 items and 456 us on a 4k causal
 # prefill, against 13 / 73 / 327 / 601 us at 128/512), but each sequence's partial q block
-# pads twice as many rows, which the forward gathers and scatters around the kernel (temp of
-# the 8192-token program: 156 MB against 79 MB): 128/512 stays until the whole forward is
-# estimated. The planned XLA loop, by platform: on a GPU each step costs some 60 us of
-# launches and a loop test read back by the host, whatever its size, so steps there are few
-# and large.
+# pads twice as many rows, which the forward gathers and scatters around the kernel (an
+# embedded-model program held 156 MB of temp, against 79 MiB at most at 128/512): 128/512
+# stays until the whole forward is estimated.
+# The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
+# loop test read back by the host, whatever its size, so steps there are few and large.
 _DEFAULT_BLOCKS = {"TPU v6 lite": (128, 512), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
                    "TPU v4": (128, 256), "xla cpu": (64, 128), "xla gpu": (512, 1024)}
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
