@@ -12,6 +12,8 @@ warm-up call. `xla` is the planned loop the server runs off TPU; `reference` com
 masked pair. The estimate (`profiling.tpu_schedule`, a model: no TPU ran it) compiles the
 Pallas kernel for v6e at the same block sizes and counts the plan's real steps, the once-per-q-
 block spans (the first step's init, the last step's store) weighted by how often they run.
+With the 4k causal shape, the same estimate of JAX's own ragged_paged_attention
+(jax.experimental.pallas.ops.tpu) at the same blocks, as a check and a bar.
 """
 import dataclasses
 import functools
@@ -20,6 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    ragged_paged_attention as jax_ragged_paged_attention,
+)
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
 from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
@@ -143,6 +149,46 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
     return out
 
 
+def peer_case(tokens: int, q_block: int, kv_block: int, heads: dict):
+    """JAX's own ragged_paged_attention on one causal sequence of `tokens`, as (fn, args) for
+    `compile_schedules`. It reads the TPU generation while tracing: an abstract v6e mesh."""
+    heads = Heads(**heads)
+    sds = jax.ShapeDtypeStruct
+    pages_per_seq = tokens // heads.page
+    pages = max(pages_per_seq, _POOL_BYTES // (heads.page * heads.kv * heads.dim * 2))
+    args = (sds((tokens, heads.q, heads.dim), jnp.bfloat16),
+            sds((pages, heads.page, 2 * heads.kv, heads.dim), jnp.bfloat16),
+            sds((1,), jnp.int32), sds((1, pages_per_seq), jnp.int32), sds((2,), jnp.int32),
+            sds((1,), jnp.int32))
+    v6e = AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(
+        device_kind="TPU v6 lite", num_cores=1, platform="tpu"))
+
+    def attend(*a):
+        with jax.sharding.use_abstract_mesh(v6e):
+            return jax_ragged_paged_attention(
+                *a, sm_scale=heads.dim ** -0.5, num_kv_pages_per_block=kv_block // heads.page,
+                num_queries_per_block=q_block)
+    return attend, args
+
+
+def peer_estimate(tokens: int, heads: Heads, sizes: BlockSizes) -> dict:
+    """The v6e estimate of JAX's kernel on a causal prefill. It visits every KV block of the
+    sequence for every q block (the mask does the causal work) in a loop whose bound is
+    runtime data, once per grid step (q block)."""
+    case = dict(tokens=tokens, q_block=sizes.q_block, kv_block=sizes.kv_block,
+                heads=dataclasses.asdict(heads))
+    (result,) = compile_schedules("profiling.bench_attention:peer_case", [case])
+    schedule = result["kernels"]["ragged_paged_attention_kernel"]
+    q_blocks, per_q_block = tokens // sizes.q_block, tokens // sizes.kv_block
+    kv_loop = max(range(len(schedule.inner_loops)), key=lambda j: schedule.inner_loops[j][0])
+    step_bytes = 2 * (per_q_block * heads.kv * sizes.kv_block + sizes.q_block * heads.q) * (
+        heads.dim * 2)
+    return {"kv_block_bundles": schedule.inner_loops[kv_loop][0],
+            "kv_blocks_visited": q_blocks * per_q_block,
+            "v6e_estimate_s": estimate_seconds(schedule, q_blocks, step_bytes=step_bytes,
+                                               loop_trips={kv_loop: per_q_block})}
+
+
 def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
         q_block: int = 0, kv_block: int = 0, trace_dir: str | None = None,
         estimate: bool = False) -> dict:
@@ -152,6 +198,8 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
     table = default_block_sizes("TPU v6 lite" if backend != "pallas" else device, heads.page)
     sizes = BlockSizes(q_block or table.q_block, kv_block or table.kv_block)
     estimates = schedule_estimates(shapes, heads, sizes) if estimate else {}
+    peer = (peer_estimate(SHAPES["causal_4096"][0], heads, sizes)
+            if estimate and "causal_4096" in shapes else None)
     rows = {}
     for name in shapes:
         batch, max_q_len, n_pages = make_batch(*SHAPES[name], heads, sizes)
@@ -167,7 +215,7 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
     return {"backend": backend, "device": device, "heads": dataclasses.asdict(heads),
             "block_sizes": dataclasses.asdict(sizes), "dtype": "bfloat16", "timing": timing,
             "estimate": "v6e, from the compiled schedule (profiling.tpu_schedule): a model"
-            if estimate else None, "shapes": rows}
+            if estimate else None, "shapes": rows, "jax_kernel_causal_4096": peer}
 
 
 def main(argv) -> None:
@@ -185,6 +233,10 @@ def main(argv) -> None:
                   f"; v6e estimate (model) {r['v6e_estimate_s'] * 1e6:.1f} us, "
                   f"{r['estimate_fraction_of_roofline']:.0%} of the bound"
                   if "v6e_estimate_s" in r else ""))
+    if peer := result["jax_kernel_causal_4096"]:
+        print(f"causal_4096, JAX's ragged_paged_attention at the same blocks: KV blocks "
+              f"{peer['kv_blocks_visited']}, {peer['kv_block_bundles']} bundles each; v6e "
+              f"estimate (model) {peer['v6e_estimate_s'] * 1e6:.1f} us")
     write_json(result, FLAGS.out)
 
 

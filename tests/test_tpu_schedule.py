@@ -116,3 +116,14 @@ def test_label_gather_schedules_loop_over_labels_and_size_their_dmas():
     assert s.step_unsized_dmas > 0
     with pytest.raises(ValueError, match="runtime size"):
         estimate_seconds(s, 3)
+
+
+def test_jax_ragged_paged_attention_goes_through_the_same_estimate():
+    """The peer check: JAX's own kernel compiles for v6e here, and its loop over the
+    sequence's KV blocks is found and run once per KV block of every q block."""
+    from kernels.attention_plan import BlockSizes
+    from profiling.bench_attention import Heads, peer_estimate
+    peer = peer_estimate(1024, Heads(page=128), BlockSizes(128, 512))
+    assert peer["kv_blocks_visited"] == 8 * 2  # no causal skipping in that kernel
+    assert peer["kv_block_bundles"] > 1000  # 8 KV heads of [256, 512] scores
+    assert peer["v6e_estimate_s"] > 16 * peer["kv_block_bundles"] / V6E_CLOCK_HZ
