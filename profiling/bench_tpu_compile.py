@@ -23,7 +23,7 @@ from absl import app, flags
 
 from profiling.roofline import roofline
 from profiling.timing import write_json
-from profiling.tpu_compile import SIZED_MODELS, V6E_HBM_BYTES, hbm_bytes, v6e_devices
+from profiling.tpu_compile import SIZED_MODELS, V6E_HBM_BYTES, hbm_bytes, v6e_devices, xla_costs
 from runtime.cli_flags import parse_flags
 from runtime.engine_config import EngineConfig
 from runtime.forward_programs import server_programs
@@ -39,13 +39,6 @@ def define_flags() -> None:
     flags.DEFINE_list("buckets", ["16", "128", "512", "2048", "8192"], "token buckets")
     flags.DEFINE_integer("max_prefill_tokens", 8192, "the server's batch budget")
     flags.DEFINE_string("out", None, "write the results as JSON here")
-
-
-def xla_costs(compiled) -> dict:
-    cost = compiled.cost_analysis()
-    optimal = cost.get("optimal_seconds", -1.0)
-    return {"flops": cost["flops"], "hbm_bytes": cost["bytes accessed"],
-            "optimal_s": optimal if optimal > 0 else None}  # < 0: not estimated
 
 
 def study(model: str, engine_cfg: EngineConfig, buckets: list[int]) -> dict:

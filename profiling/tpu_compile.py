@@ -63,6 +63,15 @@ def hbm_bytes(compiled: jax.stages.Compiled) -> dict:
             "total": footprint(compiled)}
 
 
+def xla_costs(compiled: jax.stages.Compiled) -> dict:
+    """XLA's cost_analysis() of a compiled program: FLOPs, HBM bytes and its own v6e time
+    estimate (None where it gives none; a Pallas call counts its CostEstimate, or nothing)."""
+    cost = compiled.cost_analysis()
+    optimal = cost.get("optimal_seconds", -1.0)
+    return {"flops": cost.get("flops", 0.0), "hbm_bytes": cost.get("bytes accessed", 0.0),
+            "optimal_s": optimal if optimal > 0 else None}  # < 0: not estimated
+
+
 def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:
     """The Pallas kernels a compiled TPU program calls, by name (`pallas_call(name=...)`)."""
     calls = (line for line in compiled.as_text().splitlines()

@@ -9,15 +9,8 @@ import json
 import shutil
 import sys
 
-from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
+from profiling.tpu_compile import compile_for_v6e, mosaic_kernels, xla_costs
 from profiling.tpu_schedule import read_dumps, schedule_to_json
-
-
-def xla_costs(compiled) -> dict:
-    cost = compiled.cost_analysis()
-    optimal = cost.get("optimal_seconds", -1.0)
-    return {"flops": cost.get("flops", 0.0), "bytes_accessed": cost.get("bytes accessed", 0.0),
-            "optimal_s": optimal if optimal > 0 else None}
 
 
 def main() -> None:
