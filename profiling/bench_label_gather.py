@@ -95,11 +95,11 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
 
 
 def kernel_case(mode: str, rows: int, vocab: int, hidden: int, labels: int):
-    """The mode's kernels as (fn, args) for `compile_schedules`, with at least two blocks of
-    rows: a grid of one step compiles without a grid loop, and the schedule's step would be
-    the loop over labels. A step's work does not depend on the number of rows."""
+    """The mode's kernels as (fn, args) for `compile_schedules`. Labels only: at least two
+    blocks of 8 rows, since a grid of one step compiles without a grid loop (the schedule's
+    step would be the loop over labels); a step's work is the same at any row count."""
     sds = jax.ShapeDtypeStruct
-    rows = max(rows, 16)
+    rows = max(rows, 16) if mode == "labels_only" else rows
     args = (sds((rows, hidden), jnp.bfloat16), sds((hidden,), jnp.bfloat16),
             sds((vocab, hidden), jnp.bfloat16), sds((rows, labels), jnp.int32))
     with_lse = mode == "streamed_logsumexp"
