@@ -71,6 +71,11 @@ def visited_kv_blocks(plan: AttentionPlan) -> int:
     return int(np.sum((np.asarray(plan.step_flags) & NOOP) == 0))
 
 
+def real_q_blocks(plan: AttentionPlan) -> int:
+    """q blocks that hold a real row (padding blocks excluded)."""
+    return int((np.asarray(plan.row_pos).max(axis=1) >= 0).sum())
+
+
 def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, prefix_len: int, kv_block: int):
     """KV block indices some row (kv position `pos`, visible-from `vis`) can see."""
     p_max, a_min = int(pos.max()), int(vis.min())

@@ -101,11 +101,11 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
                 & (col < kv_lens_ref[seq]))
         bias = jnp.where(mask, 0.0, _MASKED)
         k_all, v_all = k_buf[slot], v_buf[slot]  # [pages_per_block, Hkv, page, D]
+        scale = sm_scale * math.log2(math.e)
         for h in range(q_ref.shape[1]):
             k = k_all[:, h].reshape(kv_block, -1)
             v = v_all[:, h].reshape(kv_block, -1)
-            _online_softmax_step(q_ref[0, h], k, v, bias, m_ref, l_ref, acc_ref, h,
-                                 sm_scale * math.log2(math.e))
+            _online_softmax_step(q_ref[0, h], k, v, bias, m_ref, l_ref, acc_ref, h, scale)
 
         @pl.when((flags & LAST) != 0)
         def _():

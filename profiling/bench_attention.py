@@ -27,7 +27,12 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 )
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from kernels.attention_plan import BlockSizes, default_block_sizes, visited_kv_blocks
+from kernels.attention_plan import (
+    BlockSizes,
+    default_block_sizes,
+    real_q_blocks,
+    visited_kv_blocks,
+)
 from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
@@ -84,12 +89,10 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):
     """(KV blocks visited, a dense causal kernel's count, the kernel's cost at the real steps)."""
     plan = batch.attention.plan
     visited = visited_kv_blocks(plan)
-    last_pos = plan.row_pos.max(axis=1)
-    dense = int(sum(p // sizes.kv_block + 1 for p in last_pos if p >= 0))
-    q_blocks = int((last_pos >= 0).sum())
+    dense = int(sum(p // sizes.kv_block + 1 for p in plan.row_pos.max(axis=1) if p >= 0))
     rows = sizes.q_block * heads.q // heads.kv
-    return visited, dense, attention_cost(visited, q_blocks, rows, heads.kv, heads.dim,
-                                          sizes.kv_block, itemsize)
+    return visited, dense, attention_cost(visited, real_q_blocks(plan), rows, heads.kv,
+                                          heads.dim, sizes.kv_block, itemsize)
 
 
 def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int,
@@ -133,14 +136,13 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
     for name, result in zip(shapes, compile_schedules("profiling.bench_attention:kernel_case",
                                                       cases)):
         schedule = result["kernels"]["ragged_paged_attention"]
-        plan = make_batch(*SHAPES[name], heads, sizes)[0].attention.plan
-        steps, q_blocks = visited_kv_blocks(plan), int((plan.row_pos.max(axis=1) >= 0).sum())
-        once_per_q_block = {i: 1 - q_blocks / steps for i, span in enumerate(schedule.spans)
-                            if span.depth == 2}
-        # K and V of one KV block, and a q block in and out once per q block (the listing
-        # also holds the first step's prefetch, predicated)
-        step_bytes = attention_cost(steps, q_blocks, sizes.q_block * heads.q // heads.kv,
-                                    heads.kv, heads.dim, sizes.kv_block, 2).bytes_accessed / steps
+        batch = make_batch(*SHAPES[name], heads, sizes)[0]
+        steps, _, cost = work(batch, heads, sizes, itemsize=2)
+        once_per_q_block = {i: 1 - real_q_blocks(batch.attention.plan) / steps
+                            for i, span in enumerate(schedule.spans) if span.depth == 2}
+        # the kernel's own count: K and V of a KV block a step, a q block in and out once
+        # (the listing also holds the first step's prefetch, predicated)
+        step_bytes = cost.bytes_accessed / steps
         out[name] = {"step_bundles": schedule.step_bundles(once_per_q_block),
                      "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
                      "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,

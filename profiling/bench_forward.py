@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from kernels.attention_plan import visited_kv_blocks
+from kernels.attention_plan import real_q_blocks, visited_kv_blocks
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
@@ -116,7 +116,7 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
     plan = batch.attention.plan
-    q_blocks = int((plan.row_pos.max(axis=1) >= 0).sum())
+    q_blocks = real_q_blocks(plan)
     attn = attention_cost(visited_kv_blocks(plan), q_blocks,
                           sizes.q_block * cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads,
                           cfg.head_dim, sizes.kv_block, itemsize)
