@@ -37,6 +37,7 @@ from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_a
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS, kernel_impl
+from profiling.kernel_estimates import attention_estimate
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
 from profiling.tpu_schedule import compile_schedules, estimate_seconds
@@ -138,16 +139,8 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
         schedule = result["kernels"]["ragged_paged_attention"]
         batch = make_batch(*SHAPES[name], heads, sizes)[0]
         steps, _, cost = work(batch, heads, sizes, itemsize=2)
-        once_per_q_block = {i: 1 - real_q_blocks(batch.attention.plan) / steps
-                            for i, span in enumerate(schedule.spans) if span.depth == 2}
-        # the kernel's own count: K and V of a KV block a step, a q block in and out once
-        # (the listing also holds the first step's prefetch, predicated)
-        step_bytes = cost.bytes_accessed / steps
-        out[name] = {"step_bundles": schedule.step_bundles(once_per_q_block),
-                     "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
-                     "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
-                     "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=once_per_q_block,
-                                                        step_bytes=step_bytes)}
+        out[name] = attention_estimate(schedule, batch.attention.plan, steps,
+                                       cost.bytes_accessed)
     return out
 
 

@@ -2,8 +2,8 @@
 v6e roofline of that work.
 
 python -m profiling.bench_forward [--model-path P] [--dtype float32] [--max-prefill-tokens 2048]
-    [--buckets 16,256,2048] [--kv-cache-tokens N] [--with-logsumexp] [--repeats 3]
-    [--trace-dir D] [--out fwd.json]
+    [--buckets 16,256,2048] [--kv-cache-tokens N] [--with-logsumexp] [--[no]estimate]
+    [--repeats 3] [--trace-dir D] [--out fwd.json]
 Each bucket's batch is filled with SGLang-shaped sequences (a 120-token query, 10 items of 18
 tokens, 2 labels; the last sequence shorter) within the engine's sequence and row budgets, token
 ids from seed 0. The prefix cache is not involved: every token is computed.
@@ -17,8 +17,12 @@ Per bucket it also reports:
 - host work: building the batch (plan, page tables) and what ModelRunner.run adds around the
   program's execution (dispatch, transfers, result decoding);
 - the yardstick: the time the forward's dense matmuls (projections, MLP, the output head's
-  rows) take at the matmul rate measured in the same run (one 4096^3 float32 matmul).
+  rows) take at the matmul rate measured in the same run (one 4096^3 float32 matmul);
+- with --estimate: the same batch on one v6e chip in bfloat16, estimated from the compiled
+  program's schedule (profiling.forward_estimate: a model, no TPU ran it), per level of the
+  program (outside the layer loop, one layer), beside the roofline of its work.
 """
+import dataclasses
 import tempfile
 
 import jax
@@ -30,6 +34,7 @@ from kernels.attention_plan import real_q_blocks, visited_kv_blocks
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
+from profiling.forward_estimate import forward_estimate, v6e_batch
 from profiling.roofline import roofline
 from profiling.timing import WALL_CLOCK, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
@@ -55,6 +60,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("kv_cache_tokens", 0, "KV pool size in tokens (0: the server's "
                          "default); a forward's time must not grow with it")
     flags.DEFINE_integer("repeats", 3, "timed forwards per bucket")
+    flags.DEFINE_bool("estimate", True, "add the v6e estimate of the same batch in bfloat16, "
+                      "from the compiled program's schedule (profiling.forward_estimate)")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per bucket here")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
@@ -122,7 +129,7 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
                           cfg.head_dim, sizes.kv_block, itemsize)
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
-    layer_weights = sum(leaf.nbytes for leaf in jax.tree.leaves(
+    layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(
         (params["layers"], params.get("layer_matrices"))))
     kv_written = 2 * tokens * kvd * itemsize * cfg.num_layers
     flops = cfg.num_layers * (dense + attn.flops) + gather.flops
@@ -150,8 +157,23 @@ def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
     return {"traced_wall_s": traced, **split}
 
 
+def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
+    """The same batch on a v6e chip in bfloat16 (a model: no TPU ran it): the estimate from the
+    compiled program's schedule, its levels, and the roofline of its work at v6e's blocks."""
+    cfg, engine_cfg = engine.cfg, dataclasses.replace(engine.engine_cfg, dtype="bfloat16")
+    estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse)
+    _, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    tokens = sum(e.new_tokens for e in entries)
+    bound = roofline(*work(cfg, engine.runner.params, batch, tokens, len(labels), sizes,
+                           with_lse, 2), None)["v6e_roofline_s"]
+    return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound,
+            "fraction_of_roofline": bound / estimate["v6e_estimate_s"],
+            "block_sizes": estimate["block_sizes"], "levels": estimate["levels"],
+            "kernels": estimate["kernels"]}
+
+
 def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
-        trace_dir: str | None = None) -> dict:
+        trace_dir: str | None = None, estimate: bool = False) -> dict:
     runner, rows, cfg = engine.runner, [], engine.cfg
     itemsize = np.dtype(engine.engine_cfg.dtype).itemsize
     rate = matmul_rate()
@@ -170,7 +192,9 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
-                                      runner.sizes, with_lse, itemsize), seconds)})
+                                      runner.sizes, with_lse, itemsize), seconds),
+                     "v6e_estimate": v6e_estimate(engine, entries, labels, with_lse)
+                     if estimate else None})
     return {"model": cfg.family, "layers": cfg.num_layers,
             "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
             "kv_pool_tokens": runner.num_pages * runner.buckets.page_size,
@@ -188,7 +212,8 @@ def main(argv) -> None:
         max_rows=min(256, budget), kv_cache_tokens=FLAGS.kv_cache_tokens, prefix_cache=False,
         warmup=False))
     buckets = [int(b) for b in FLAGS.buckets] or list(engine.runner.buckets.token_sizes())
-    result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir)
+    result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir,
+                 FLAGS.estimate)
     engine.close()
     print(f"{result['model']} {result['dtype']} on {result['device']} "
           f"({result['attention_backend']} attention, KV pool of {result['kv_pool_tokens']} "
@@ -202,6 +227,13 @@ def main(argv) -> None:
               f"{r['vs_dense_matmul']:5.2f}x dense matmuls; build_batch "
               f"{r['build_batch_s'] * 1e3:.1f} ms; {r['flops'] / 1e9:8.1f} GFLOP; v6e bound "
               f"{r['v6e_roofline_s'] * 1e6:8.1f} us\n    split: {split}")
+        if r["v6e_estimate"]:
+            e = r["v6e_estimate"]
+            levels = "; ".join(f"x{lv['trips']:.0f}: {lv['seconds_per_trip'] * 1e6:.1f} us "
+                               f"(kernels {lv['kernels_s'] * 1e6:.1f} us, XLA ops "
+                               f"{lv['xla_bundles']:.0f} bundles)" for lv in e["levels"])
+            print(f"    v6e bf16 (estimate, a model): {e['seconds'] * 1e3:.3f} ms, bound "
+                  f"{e['roofline_s'] * 1e3:.3f} ms ({e['fraction_of_roofline']:.0%}); {levels}")
     write_json(result, FLAGS.out)
 
 

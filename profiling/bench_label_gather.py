@@ -22,14 +22,14 @@ from absl import app, flags
 from kernels.label_gather import final_norm_label_gather_xla
 from kernels.label_gather_kernel import (
     final_norm_label_gather,
-    head_tile_rows,
     label_rows_cost,
     streamed_cost,
     streamed_row_block,
 )
+from profiling.kernel_estimates import GATHER_KERNELS, label_gather_estimate
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
-from profiling.tpu_schedule import compile_schedules, estimate_seconds
+from profiling.tpu_schedule import compile_schedules
 from runtime.cli_flags import parse_flags
 
 FLAGS = flags.FLAGS
@@ -74,9 +74,6 @@ def _paths(rows: int) -> dict:
             "full_logits_baseline": lambda *a: full_logits_baseline(*a, eps=1e-6)}
 
 
-KERNEL_NAMES = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
-
-
 def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
             trace_dir: str | None) -> dict:
     rng = np.random.default_rng(0)
@@ -87,8 +84,8 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
     times = {}
     for mode, fn in _paths(rows).items():
         out = subdir(trace_dir, mode)
-        if jax.default_backend() == "tpu" and mode in KERNEL_NAMES:
-            times[mode] = op_time(jax.jit(fn), args, KERNEL_NAMES[mode], repeats, out)
+        if jax.default_backend() == "tpu" and mode in GATHER_KERNELS:
+            times[mode] = op_time(jax.jit(fn), args, GATHER_KERNELS[mode], repeats, out)
         else:
             times[mode] = wall_time(jax.jit(fn), args, repeats, out)
     return times
@@ -109,32 +106,17 @@ def kernel_case(mode: str, rows: int, vocab: int, hidden: int, labels: int):
     return gather, args
 
 
-def kernel_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
-    """Grid steps of the mode's kernel: blocks of 8 rows, or row blocks x vocabulary tiles."""
-    if mode == "labels_only":
-        return -(-rows // 8)
-    row_block = streamed_row_block(rows)
-    return -(-rows // row_block) * -(-vocab // head_tile_rows(vocab, hidden, 2))
-
-
 def schedule_estimates(cases: list[tuple[int, int]], hidden: int, labels: int) -> dict:
     """(vocab, rows) -> mode -> the kernel's v6e estimate from its compiled schedule."""
     requests = [dict(mode=mode, rows=rows, vocab=vocab, hidden=hidden, labels=labels)
-                for vocab, rows in cases for mode in KERNEL_NAMES]
+                for vocab, rows in cases for mode in GATHER_KERNELS]
     out = {}
     for req, result in zip(requests, compile_schedules("profiling.bench_label_gather:kernel_case",
                                                        requests)):
-        schedule = result["kernels"][KERNEL_NAMES[req["mode"]]]
-        per_label = {j: labels for j, (_, trips, _) in enumerate(schedule.inner_loops)
-                     if trips is None}  # the loop over a row's labels: a runtime bound
-        steps = kernel_steps(req["mode"], req["rows"], req["vocab"], hidden)
-        # a head tile clamped at the vocabulary's end has a runtime size: the kernel's own count
-        flops_bytes = work(req["rows"], req["vocab"], hidden, labels)[req["mode"]]
-        step_bytes = flops_bytes[1] / steps if schedule.step_unsized_dmas else None
-        out.setdefault((req["vocab"], req["rows"]), {})[req["mode"]] = {
-            "step_bundles": schedule.step_bundles(loop_trips=per_label),
-            "v6e_estimate_s": estimate_seconds(schedule, steps, loop_trips=per_label,
-                                               step_bytes=step_bytes)}
+        schedule = result["kernels"][GATHER_KERNELS[req["mode"]]]
+        kernel_bytes = work(req["rows"], req["vocab"], hidden, labels)[req["mode"]][1]
+        out.setdefault((req["vocab"], req["rows"]), {})[req["mode"]] = label_gather_estimate(
+            schedule, req["mode"], req["rows"], req["vocab"], hidden, labels, kernel_bytes)
     return out
 
 

@@ -62,6 +62,14 @@ def xla_dot(m: int, k: int, n: int):
     return jnp.dot, _operands(m, k, n)
 
 
+def xla_dot_loop(m: int, k: int, n: int, layers: int):
+    """A layer loop of dots, as a model's: `h @ w[i]` for each of `layers` stacked weights."""
+    def loop(h, w):
+        return jax.lax.scan(lambda x, wi: ((x @ wi).astype(x.dtype), None), h, w)[0]
+    return loop, (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((layers, k, n), jnp.bfloat16))
+
+
 def _operands(m, k, n):
     return (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
 

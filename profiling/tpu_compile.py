@@ -72,8 +72,31 @@ def xla_costs(compiled: jax.stages.Compiled) -> dict:
             "optimal_s": optimal if optimal > 0 else None}  # < 0: not estimated
 
 
+# How XLA prices a Pallas call: its CostEstimate at these rates, the larger of the two (checked
+# in tests/test_tpu_schedule.py); a call without one costs nothing.
+XLA_V6E_FLOPS = 918e12
+XLA_V6E_HBM = 1.638e12
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+",'
+                            r'"bytes_accessed":"(\d+)"')
+
+
+def kernel_cost_estimates(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]]:
+    """The CostEstimate (FLOPs, bytes) each Pallas kernel of a compiled TPU program carries,
+    by name; (0, 0) for a kernel without one."""
+    out = {}
+    for line in compiled.as_text().splitlines():
+        if 'custom_call_target="tpu_custom_call"' in line:
+            name = re.search(r"%(\w+?)(\.\d+)? = ", line).group(1)
+            cost = _COST_ESTIMATE.search(line)
+            out[name] = (int(cost.group(1)), int(cost.group(2))) if cost else (0, 0)
+    return out
+
+
+def xla_priced_s(flops: float, hbm_bytes: float) -> float:
+    """What XLA's optimal_seconds charges for a Pallas call with this CostEstimate."""
+    return max(flops / XLA_V6E_FLOPS, hbm_bytes / XLA_V6E_HBM)
+
+
 def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:
     """The Pallas kernels a compiled TPU program calls, by name (`pallas_call(name=...)`)."""
-    calls = (line for line in compiled.as_text().splitlines()
-             if 'custom_call_target="tpu_custom_call"' in line)
-    return sorted({m.group(1) for line in calls if (m := re.search(r"%(\w+?)(\.\d+)? = ", line))})
+    return sorted(kernel_cost_estimates(compiled))

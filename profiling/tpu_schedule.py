@@ -43,6 +43,7 @@ _OPCODE = re.compile(r"^\s*(?:%[\w.]+\s*=\s*)?([a-z_][\w.]*)")
 _BRANCH = re.compile(r"sbr\.rel \((!?)%(\w+)\) target = \$region(\d+)")
 _REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)")
 _GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
+_CALL = re.compile(r"inlined_call [^/]*/\* %([\w.-]+) = ")
 _COMPARE = re.compile(r"%(\w+) = scmp\.(\w+)\.s32\.totalorder %\w+, (\d+)\b")
 
 UNITS = ("mxu", "vpu", "eup", "xlu", "vector_load", "vector_store", "dma", "scalar")
@@ -79,6 +80,7 @@ class Bundle:
     branch: tuple[bool, str, int] | None  # (negated, predicate, target region)
     regions_started: tuple[int, ...]
     compares: tuple[tuple[str, str, int], ...]  # (predicate, comparison, immediate)
+    calls: tuple[str, ...] = ()  # HLO instructions the bundle calls (a program's listing)
 
 
 def _instructions(text: str) -> list[str]:
@@ -117,7 +119,7 @@ def _bundle(m: re.Match, text: str) -> Bundle:
         opcodes=tuple(opcodes), hbm_dma_bytes=dma_bytes, unsized_dmas=unsized,
         branch=(branch.group(1) == "!", branch.group(2), int(branch.group(3))) if branch else None,
         regions_started=tuple(int(r) for r in _REGION_START.findall(trailer)),
-        compares=tuple(compares))
+        compares=tuple(compares), calls=tuple(_CALL.findall(body)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +268,13 @@ def read_dumps(dump_dir: str) -> dict[str, KernelSchedule]:
     return out
 
 
-def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600) -> list[dict]:
+def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
+                      program: bool = False) -> list[dict]:
     """Compile `builder(**case)` -> (fn, args) for one v6e chip in a child process whose libtpu
     dumps its schedules, one case after another. Per case: {"kernels": {name:
-    KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds}.
+    KernelSchedule}, "kernel_costs": {name: the CostEstimate's (flops, bytes)}, "xla": the
+    program's cost_analysis() flops, bytes and optimal_seconds, "levels": with `program`, the
+    whole program's levels as JSON (profiling.program_schedule.level_from_json), else None}.
     `builder` is "module:function", importable from the repository root."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, LIBTPU_INIT_ARGS=(
@@ -278,7 +283,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600) -
             ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # this process may hold libtpu too; no TPU here
         out = os.path.join(tmp, "schedules.json")
         request = json.dumps({"builder": builder, "cases": cases, "dump_dir": f"{tmp}/dumps",
-                              "out": out})
+                              "out": out, "program": program})
         done = subprocess.run([sys.executable, "-m", "profiling.tpu_schedule_worker"],
                               input=request, text=True, capture_output=True, env=env,
                               timeout=timeout_s, cwd=_repository_root())
@@ -287,7 +292,9 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600) -
         with open(out) as f:
             results = json.load(f)
     return [{"kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()},
-             "xla": r["xla"]} for r in results]
+             "kernel_costs": {k: tuple(v) for k, v in r["kernel_costs"].items()},
+             "xla": r["xla"], "levels": r["levels"]}
+            for r in results]
 
 
 def _repository_root() -> str:

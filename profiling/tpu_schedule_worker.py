@@ -2,15 +2,27 @@
 its schedules, it compiles each case for one v6e chip and writes what the dumps say.
 
 Reads a JSON request on stdin: {"builder": "module:function", "cases": [kwargs, ...],
-"dump_dir": D, "out": F}; `builder(**kwargs)` returns (fn, args) for `compile_for_v6e`.
+"dump_dir": D, "out": F, "program": whether to read the whole program's levels too};
+`builder(**kwargs)` returns (fn, args) for `compile_for_v6e`, or a program lowered for a v6e
+chip (jax.stages.Lowered).
 """
 import importlib
 import json
 import shutil
 import sys
 
-from profiling.tpu_compile import compile_for_v6e, mosaic_kernels, xla_costs
+import jax
+
+from profiling.program_schedule import level_to_json, program_levels, read_listings
+from profiling.tpu_compile import compile_for_v6e, kernel_cost_estimates, xla_costs
 from profiling.tpu_schedule import read_dumps, schedule_to_json
+
+
+def _compiled(built) -> jax.stages.Compiled:
+    if isinstance(built, jax.stages.Lowered):
+        return built.compile()
+    fn, args = built
+    return compile_for_v6e(fn, *args)
 
 
 def main() -> None:
@@ -20,12 +32,12 @@ def main() -> None:
     results = []
     for case in request["cases"]:
         shutil.rmtree(request["dump_dir"], ignore_errors=True)
-        fn, args = builder(**case)
-        compiled = compile_for_v6e(fn, *args)
-        kernels = read_dumps(request["dump_dir"])
-        results.append({"kernels": {k: schedule_to_json(kernels[k])
-                                    for k in mosaic_kernels(compiled)},
-                        "xla": xla_costs(compiled)})
+        compiled = _compiled(builder(**case))
+        kernels, costs = read_dumps(request["dump_dir"]), kernel_cost_estimates(compiled)
+        results.append({"kernels": {k: schedule_to_json(kernels[k]) for k in costs},
+                        "kernel_costs": costs, "xla": xla_costs(compiled),
+                        "levels": [level_to_json(level) for level in program_levels(
+                            read_listings(request["dump_dir"]))] if request["program"] else None})
     with open(request["out"], "w") as f:
         json.dump(results, f)
 

@@ -127,3 +127,75 @@ def test_jax_ragged_paged_attention_goes_through_the_same_estimate():
     assert peer["kv_blocks_visited"] == 8 * 2  # no causal skipping in that kernel
     assert peer["kv_block_bundles"] > 1000  # 8 KV heads of [256, 512] scores
     assert peer["v6e_estimate_s"] > 16 * peer["kv_block_bundles"] / V6E_CLOCK_HZ
+
+
+def test_xla_prices_a_loop_body_once_and_a_pallas_call_by_its_cost_estimate():
+    """Why the forward's estimate reads the whole program's schedule: XLA's cost_analysis()
+    prices a 6-step loop of dots as one dot, and a Pallas call as the larger of its
+    CostEstimate's FLOPs and bytes at XLA's rates (the figures profiling.tpu_compile keeps)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from profiling.calibrate_v6e import xla_dot, xla_dot_loop
+    from profiling.tpu_compile import compile_for_v6e, xla_costs, xla_priced_s
+    loop, one = (xla_costs(compile_for_v6e(fn, *args))
+                 for fn, args in (xla_dot_loop(512, 512, 512, 6), xla_dot(512, 512, 512)))
+    assert loop["flops"] == one["flops"] == 2 * 512 ** 3
+
+    def doubled(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    for flops, hbm in ((10**10, 10**6), (10**9, 10**8)):
+        def call(x, flops=flops, hbm=hbm):
+            return pl.pallas_call(doubled, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  cost_estimate=pl.CostEstimate(
+                                      flops=flops, transcendentals=0, bytes_accessed=hbm))(x)
+        costs = xla_costs(compile_for_v6e(call, jax.ShapeDtypeStruct((8, 128), jnp.float32)))
+        assert costs["optimal_s"] == pytest.approx(xla_priced_s(flops, hbm), rel=1e-3)
+
+
+def test_a_programs_layer_loop_runs_its_trips():
+    """The whole-program reading: the level holding the loop's dot runs once per layer, so the
+    estimate grows by one level per layer (XLA's own stays flat)."""
+    from profiling.program_schedule import level_from_json, program_seconds
+    results = compile_schedules("profiling.calibrate_v6e:xla_dot_loop",
+                                [dict(m=1024, k=1024, n=1024, layers=n) for n in (3, 6)],
+                                program=True)
+    levels = [[level_from_json(x) for x in r["levels"]] for r in results]
+    assert [[level.trips for level in lv] for lv in levels] == [[1, 3], [1, 6]]
+    per_layer = levels[1][1].seconds({})
+    assert any(cost.hbm_bytes == 1024 * 1024 * 2 for cost in levels[1][1].calls.values())
+    grown = program_seconds(levels[1], {}) - program_seconds(levels[0], {})
+    assert grown == pytest.approx(3 * per_layer, rel=0.01)
+    assert results[0]["xla"]["optimal_s"] == results[1]["xla"]["optimal_s"]
+
+
+def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
+    """The embedded model's program for a bucket of SGLang-shaped sequences: its layer level
+    runs once per layer and calls the attention and KV-write kernels, priced at the batch's
+    real steps; the estimate is above the roofline of the work."""
+    import numpy as np
+
+    from profiling.bench_forward import fill
+    from profiling.forward_estimate import forward_estimate
+    from profiling.tpu_compile import SIZED_MODELS
+    from runtime.batch_builder import ScheduledSeq
+    from runtime.buckets import pages_needed
+    from runtime.engine_config import EngineConfig
+    cfg = SIZED_MODELS["SmolLM2-135M"]
+    seqs = fill(128, 64, 256, cfg.vocab_size, np.random.default_rng(0))
+    entries = [ScheduledSeq(seq, list(range(64 * i, 64 * i + pages_needed(len(seq.tokens), 16))))
+               for i, seq in enumerate(seqs)]
+    labels = [[1, 2]] * sum(len(seq.score_rows) for seq in seqs)
+    est = forward_estimate(cfg, EngineConfig(dtype="bfloat16", max_prefill_tokens=2048), entries,
+                           labels, with_lse=True)
+    outside, layer = est["levels"]
+    assert (outside["trips"], layer["trips"]) == (1, cfg.num_layers)
+    kernels = est["kernels"]
+    assert layer["kernels_s"] == pytest.approx(kernels["attention"]["v6e_estimate_s"]
+                                               + kernels["kv_write"]["v6e_estimate_s"])
+    assert outside["kernels_s"] == pytest.approx(kernels["gather"]["v6e_estimate_s"])
+    assert layer["xla_bundles"] > 0 and layer["xla_hbm_bytes"] > 0
+    mlp_weights = 2 * cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
+    assert est["v6e_estimate_s"] > mlp_weights / V6E_HBM_BYTES_PER_S

@@ -1,0 +1,114 @@
+"""The scoring forward's v6e estimate from its compiled schedule: the server's program for a
+batch's bucket, compiled for one v6e chip, read level by level (profiling.program_schedule),
+with each Pallas kernel priced at the batch's real work (profiling.kernel_estimates). A model:
+no TPU ran it.
+"""
+import dataclasses
+
+import numpy as np
+
+from kernels.attention_plan import real_q_blocks, visited_kv_blocks
+from kernels.label_gather_kernel import (
+    label_rows_cost,
+    label_tiles_pay,
+    streamed_cost,
+    streamed_row_block,
+)
+from kernels.ragged_paged_attention_kernel import attention_cost
+from model.config import ModelConfig
+from model.decoder import pool_head_dim
+from profiling.kernel_estimates import (
+    GATHER_KERNELS,
+    attention_estimate,
+    kv_write_estimate,
+    label_gather_estimate,
+)
+from profiling.program_schedule import callee_kernel, level_from_json, program_seconds
+from profiling.tpu_compile import v6e_devices
+from profiling.tpu_schedule import compile_schedules
+from runtime.batch_builder import build_batch
+from runtime.buckets import BatchShape
+from runtime.engine_config import EngineConfig
+from runtime.forward_programs import server_programs
+
+KV_WRITE_PAGES_PER_STEP = 16  # write_kv_pages_kernel's default
+_POOL_PAGES = 4096  # the pool's size does not change a forward's work
+
+
+def program_case(model: dict, engine: dict, shape: dict, with_lse: bool):
+    """The server's program for a v6e chip, lowered (for `compile_schedules`)."""
+    programs = server_programs(EngineConfig(**engine), ModelConfig(**model), v6e_devices(1),
+                               _POOL_PAGES)
+    return programs.lower(BatchShape(**shape), with_lse)
+
+
+def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
+    """The batch of `entries` as a v6e server with `engine_cfg` builds it: its shape bucket and
+    its attention plan at v6e's block sizes."""
+    buckets = engine_cfg.buckets(cfg, v6e_devices(1)[0])
+    shape = buckets.shape(sum(e.new_tokens for e in entries), len(labels), len(entries))
+    return shape, build_batch(entries, labels, shape, buckets.page_size, _POOL_PAGES,
+                              buckets.sizes), buckets.sizes
+
+
+def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels,
+                     with_lse: bool) -> dict:
+    """The v6e estimate of one forward of `entries` (ScheduledSeq) scoring `labels` (per row):
+    seconds, and per level of the program (outside the layer loop, one layer) the XLA ops'
+    bundles and bytes, the kernels' seconds and the costliest XLA ops."""
+    engine_cfg = dataclasses.replace(engine_cfg, attention_backend="auto", warmup=False)
+    shape, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    case = dict(model=dataclasses.asdict(cfg), engine=dataclasses.asdict(engine_cfg),
+                shape=dataclasses.asdict(shape), with_lse=with_lse)
+    (result,) = compile_schedules("profiling.forward_estimate:program_case", [case],
+                                  program=True)
+    kernels = _kernel_estimates(cfg, shape, batch, sizes, engine_cfg.page_size,
+                                result["kernels"], labels, with_lse)
+    priced = {"ragged_paged_attention": kernels["attention"]["v6e_estimate_s"],
+              "write_kv_pages": kernels["kv_write"]["v6e_estimate_s"],
+              **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
+              GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
+    levels = [level_from_json(x) for x in result["levels"]]
+    return {"v6e_estimate_s": program_seconds(levels, priced),
+            "levels": [_level_summary(level, priced) for level in levels],
+            "shape": dataclasses.asdict(shape), "block_sizes": dataclasses.asdict(sizes),
+            "page_size": engine_cfg.page_size, "kernels": kernels}
+
+
+def _level_summary(level, priced: dict, top: int = 5) -> dict:
+    xla = {name: cost for name, cost in level.calls.items() if callee_kernel(name) not in priced}
+    kernels = [callee_kernel(name) for name in level.calls if name not in xla]
+    costliest = sorted(xla.items(), key=lambda kv: -kv[1].bundles)[:top]
+    return {"trips": level.trips, "seconds_per_trip": level.seconds(priced),
+            "xla_bundles": level.bundles + sum(c.bundles for c in xla.values()),
+            "xla_hbm_bytes": level.hbm_bytes + sum(c.hbm_bytes for c in xla.values()),
+            "kernels_s": sum(priced[k] for k in kernels),
+            "unknown_loops": level.unknown_loops,
+            "costliest_xla_ops": {name: cost.bundles for name, cost in costliest}}
+
+
+def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_size: int,
+                      schedules: dict, labels, with_lse: bool) -> dict:
+    """Each kernel of the forward at the batch's real work."""
+    plan, d = batch.attention.plan, pool_head_dim(cfg, "pallas")
+    steps = visited_kv_blocks(plan)
+    attn = attention_cost(steps, real_q_blocks(plan), sizes.q_block * cfg.num_heads
+                          // cfg.num_kv_heads, cfg.num_kv_heads, d, sizes.kv_block, 2)
+    real_pages = int(np.sum(np.asarray(batch.kv_pages) < _POOL_PAGES))
+    rows, n_labels = shape.rows, max(len(row) for row in labels)
+    mode = ("labels_only" if not with_lse and label_tiles_pay(len(labels), n_labels,
+                                                                cfg.vocab_size)
+            else "streamed_logsumexp")
+    gather_cost = (label_rows_cost(rows, n_labels, cfg.hidden_size, 2) if mode == "labels_only"
+                   else streamed_cost(rows, n_labels, cfg.vocab_size, cfg.hidden_size,
+                                      streamed_row_block(rows), 2))
+    return {
+        "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
+                                        attn.bytes_accessed),
+        "kv_write": kv_write_estimate(
+            schedules["write_kv_pages"], -(-shape.written_pages // KV_WRITE_PAGES_PER_STEP),
+            KV_WRITE_PAGES_PER_STEP, real_pages,
+            cfg.num_kv_heads * page_size * d * 2),
+        "gather": {"mode": mode, **label_gather_estimate(
+            schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
+            n_labels, gather_cost.bytes_accessed)}}

@@ -1,0 +1,59 @@
+"""Our Pallas kernels' v6e estimates at a batch's real work, from their compiled schedules
+(`profiling.tpu_schedule`: a model, no TPU ran them). Shared by the kernel studies and the
+forward's estimate, which compile the kernels in different programs.
+"""
+from kernels.attention_plan import AttentionPlan, real_q_blocks
+from kernels.label_gather_kernel import head_tile_rows, streamed_row_block
+from profiling.tpu_schedule import KernelSchedule, estimate_seconds
+
+GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
+
+
+def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int,
+                       kernel_bytes: float) -> dict:
+    """The attention kernel over `steps` real steps of `plan`, moving `kernel_bytes` (its own
+    count: the listing also holds the first step's prefetch, predicated). The once-per-q-block
+    spans (the first step's init, the last step's store) run once per real q block."""
+    once_per_q_block = {i: 1 - real_q_blocks(plan) / steps
+                        for i, span in enumerate(schedule.spans) if span.depth == 2}
+    step_bytes = kernel_bytes / steps
+    return {"step_bundles": schedule.step_bundles(once_per_q_block),
+            "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
+            "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
+            "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=once_per_q_block,
+                                               step_bytes=step_bytes)}
+
+
+def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
+    """Grid steps of the gather kernel: blocks of 8 rows (labels only), or row blocks x
+    vocabulary tiles (streamed)."""
+    if mode == "labels_only":
+        return -(-rows // 8)
+    return -(-rows // streamed_row_block(rows)) * -(-vocab // head_tile_rows(vocab, hidden, 2))
+
+
+def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab: int,
+                          hidden: int, labels: int, kernel_bytes: float) -> dict:
+    """The gather kernel of `mode` on `rows` rows of `labels` labels; the loop over a row's
+    labels (a runtime bound) runs once per label. A head tile clamped at the vocabulary's end
+    has a runtime size: then the step's bytes are `kernel_bytes` (its own count) per step."""
+    per_label = {j: labels for j, (_, trips, _) in enumerate(schedule.inner_loops)
+                 if trips is None}
+    steps = label_gather_steps(mode, rows, vocab, hidden)
+    step_bytes = kernel_bytes / steps if schedule.step_unsized_dmas else None
+    return {"step_bundles": schedule.step_bundles(loop_trips=per_label),
+            "v6e_estimate_s": estimate_seconds(schedule, steps, loop_trips=per_label,
+                                               step_bytes=step_bytes)}
+
+
+def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,
+                      real_pages: int, page_bytes: int) -> dict:
+    """The KV write: `grid_steps` steps, each looping over `pages_per_step` page slots (the
+    loops' bound is a constant the listing does not show), copying K and V of the real pages
+    HBM to HBM (read and written: twice their bytes through HBM)."""
+    per_slot = {j: pages_per_step for j, (_, trips, _) in enumerate(schedule.inner_loops)
+                if trips is None}
+    step_bytes = 2 * 2 * real_pages * page_bytes / grid_steps
+    return {"step_bundles": schedule.step_bundles(loop_trips=per_slot),
+            "v6e_estimate_s": estimate_seconds(schedule, grid_steps, loop_trips=per_slot,
+                                               step_bytes=step_bytes)}

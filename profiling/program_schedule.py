@@ -1,0 +1,158 @@
+"""A whole TPU program's v6e estimate from its compiled schedule: the top-level program (`TLP`,
+the listing that holds the loops and issues the prefetch DMAs) and every fusion it calls, each
+a listing of bundles in the same dump as the Mosaic kernels' (`profiling.tpu_schedule`).
+
+Why not XLA's own `cost_analysis()`: it counts a while loop's body once, whatever its trips (the
+layer loop is priced as one layer), and a dynamic slice of stacked weights at the bytes of the
+whole stack (checked in tests/test_tpu_schedule.py).
+
+The estimate assumes, beyond `profiling.tpu_schedule`'s assumptions:
+- a loop runs as often as its exit test's immediate bound says; a loop whose bound is runtime
+  data runs once (reported as `unknown_loops`);
+- a loop of the TLP that calls nothing is the copy XLA emits for an argument the caller did not
+  donate; the server donates its KV pool, so it does not run;
+- within one level of the TLP (the bundles outside any loop, the body of the layer loop) DMAs
+  overlap compute: a level costs the larger of its bundles (its own and its callees') at the
+  clock and its DMA bytes at HBM bandwidth, once per trip;
+- a Pallas kernel is priced by the caller (`kernel_seconds`, at its real steps) and adds to its
+  level; one the caller does not price is read as a fusion.
+"""
+import dataclasses
+import os
+import re
+
+from profiling.tpu_schedule import (
+    V6E_CLOCK_HZ,
+    V6E_HBM_BYTES_PER_S,
+    Bundle,
+    parse_bundles,
+)
+
+_LISTING = re.compile(r"^\d+-(.+?)-\d+-final_bundles\.txt$")
+
+
+def read_listings(dump_dir: str) -> dict[str, list[Bundle]]:
+    """Every final listing in a dump directory, by HLO instruction name (`TLP` the program)."""
+    out = {}
+    for fname in sorted(os.listdir(dump_dir)):
+        m = _LISTING.match(fname)
+        if m and not m.group(1).startswith("<"):
+            with open(os.path.join(dump_dir, fname)) as f:
+                out[m.group(1)] = parse_bundles(f.read())
+    return out
+
+
+def loops(bundles: list[Bundle]) -> list[tuple[int, int, int | None]]:
+    """(first, last, trips) of each loop: from its `LB` bundle to its back edge (the branch to
+    the region the `LB` bundle starts), trips from its exit test (None: a runtime bound)."""
+    out = []
+    for i, b in enumerate(bundles):
+        if not b.loop_start:
+            continue
+        end = next((j for j in range(i, len(bundles)) if bundles[j].branch
+                    and bundles[j].branch[2] in b.regions_started), None)
+        if end is not None:
+            out.append((i, end, _exit_trips(bundles[i:end + 1])))
+    return out
+
+
+def _exit_trips(body: list[Bundle]) -> int | None:
+    """The bound of a counted loop's exit test: the back edge's own `scmp.ge/lt i, N`, or, where
+    the test reaches the branch through a select (the TLP's form), the last such test."""
+    compares = {p: (cmp, n) for b in body for p, cmp, n in b.compares}
+    cmp, n = compares.get(body[-1].branch[1], (None, 0))
+    if cmp in ("ge", "lt") and n > 0:
+        return n
+    tail = [n for b in body[-8:] for _, cmp, n in b.compares if cmp in ("ge", "lt") and n > 0]
+    return tail[-1] if tail else None
+
+
+def _weights(bundles: list[Bundle], skip_callless: bool) -> tuple[list[float], int]:
+    """How often each bundle runs, and how many loops have a runtime bound (counted once)."""
+    weights, unknown = [1.0] * len(bundles), 0
+    for first, last, trips in loops(bundles):
+        body = range(first, last + 1)
+        if skip_callless and not any(bundles[j].calls for j in body):
+            trips = 0
+        unknown += trips is None
+        for j in body:
+            weights[j] *= 1 if trips is None else trips
+    return weights, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class ListingCost:
+    bundles: float      # run, loops times their trips
+    hbm_bytes: float    # moved by its DMAs
+    unknown_loops: int
+
+
+def listing_cost(bundles: list[Bundle]) -> ListingCost:
+    weights, unknown = _weights(bundles, skip_callless=False)
+    return ListingCost(sum(weights), sum(b.hbm_dma_bytes * w for b, w in zip(bundles, weights)),
+                       unknown)
+
+
+def callee_kernel(hlo_name: str) -> str:
+    """A called instruction's name without XLA's `.N` suffix: a Pallas kernel's own name."""
+    return re.sub(r"\.\d+$", "", hlo_name)
+
+
+@dataclasses.dataclass
+class Level:
+    """The bundles of the TLP that run `trips` times, and what they call."""
+    trips: float
+    bundles: float = 0
+    hbm_bytes: float = 0
+    calls: dict = dataclasses.field(default_factory=dict)  # name -> ListingCost, per trip
+
+    def seconds(self, kernel_seconds: dict[str, float], clock_hz: float = V6E_CLOCK_HZ,
+                hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S) -> float:
+        """One trip: the callees in `kernel_seconds` (by `pallas_call` name, without XLA's
+        `.N` suffix) at those prices, the rest with the TLP's own bundles and DMAs."""
+        bundles, hbm, kernels = self.bundles, self.hbm_bytes, 0.0
+        for name, cost in self.calls.items():
+            kernel = callee_kernel(name)
+            if kernel in kernel_seconds:
+                kernels += kernel_seconds[kernel]
+            else:
+                bundles, hbm = bundles + cost.bundles, hbm + cost.hbm_bytes
+        return max(bundles / clock_hz, hbm / hbm_bytes_per_s) + kernels
+
+    @property
+    def unknown_loops(self) -> int:
+        return sum(cost.unknown_loops for cost in self.calls.values())
+
+
+def program_levels(listings: dict[str, list[Bundle]]) -> list[Level]:
+    """The TLP's levels by how often they run, fewest first."""
+    tlp = listings["TLP"]
+    weights, _ = _weights(tlp, skip_callless=True)
+    levels: dict[float, Level] = {}
+    for b, w in zip(tlp, weights):
+        if w == 0:
+            continue
+        level = levels.setdefault(w, Level(w))
+        level.bundles += 1
+        level.hbm_bytes += b.hbm_dma_bytes
+        for name in b.calls:
+            if name in listings:
+                cost = listing_cost(listings[name])
+                old = level.calls.get(name)
+                level.calls[name] = cost if old is None else ListingCost(
+                    old.bundles + cost.bundles, old.hbm_bytes + cost.hbm_bytes,
+                    old.unknown_loops + cost.unknown_loops)
+    return sorted(levels.values(), key=lambda level: level.trips)
+
+
+def program_seconds(levels: list[Level], kernel_seconds: dict[str, float]) -> float:
+    return sum(level.trips * level.seconds(kernel_seconds) for level in levels)
+
+
+def level_to_json(level: Level) -> dict:
+    return dataclasses.asdict(level)
+
+
+def level_from_json(d: dict) -> Level:
+    return Level(d["trips"], d["bundles"], d["hbm_bytes"],
+                 {k: ListingCost(**v) for k, v in d["calls"].items()})
