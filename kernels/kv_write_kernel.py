@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+PAGES_PER_STEP = 16  # pages a grid step writes
+
 
 def _kernel(layer_ref, page_ids_ref, k_blocks, v_blocks, k_in, v_in, k_out, v_out, sems, *,
             pages_per_step, num_pages):
@@ -38,7 +40,7 @@ def _kernel(layer_ref, page_ids_ref, k_blocks, v_blocks, k_in, v_in, k_out, v_ou
 
 
 def write_kv_pages_kernel(k_pages, v_pages, layer, k_blocks, v_blocks, page_ids, *,
-                          pages_per_step: int = 16, interpret=False):
+                          pages_per_step: int = PAGES_PER_STEP, interpret=False):
     """Same contract as `write_kv_pages`: returns the updated (k_pages, v_pages)."""
     n_layers, hkv, num_pages, page_size, d = k_pages.shape
     block = (hkv, page_size, d)

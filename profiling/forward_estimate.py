@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from kernels.attention_plan import real_q_blocks, visited_kv_blocks
+from kernels.kv_write_kernel import PAGES_PER_STEP
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -31,7 +32,6 @@ from runtime.buckets import BatchShape
 from runtime.engine_config import EngineConfig
 from runtime.forward_programs import server_programs
 
-KV_WRITE_PAGES_PER_STEP = 16  # write_kv_pages_kernel's default
 _POOL_PAGES = 4096  # the pool's size does not change a forward's work
 
 
@@ -106,8 +106,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
                                         attn.bytes_accessed),
         "kv_write": kv_write_estimate(
-            schedules["write_kv_pages"], -(-shape.written_pages // KV_WRITE_PAGES_PER_STEP),
-            KV_WRITE_PAGES_PER_STEP, real_pages,
+            schedules["write_kv_pages"], -(-shape.written_pages // PAGES_PER_STEP),
+            PAGES_PER_STEP, real_pages,
             cfg.num_kv_heads * page_size * d * 2),
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,

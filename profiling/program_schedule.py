@@ -86,6 +86,10 @@ class ListingCost:
     hbm_bytes: float    # moved by its DMAs
     unknown_loops: int
 
+    def __add__(self, other: "ListingCost") -> "ListingCost":
+        return ListingCost(self.bundles + other.bundles, self.hbm_bytes + other.hbm_bytes,
+                           self.unknown_loops + other.unknown_loops)
+
 
 def listing_cost(bundles: list[Bundle]) -> ListingCost:
     weights, unknown = _weights(bundles, skip_callless=False)
@@ -138,10 +142,7 @@ def program_levels(listings: dict[str, list[Bundle]]) -> list[Level]:
         for name in b.calls:
             if name in listings:
                 cost = listing_cost(listings[name])
-                old = level.calls.get(name)
-                level.calls[name] = cost if old is None else ListingCost(
-                    old.bundles + cost.bundles, old.hbm_bytes + cost.hbm_bytes,
-                    old.unknown_loops + cost.unknown_loops)
+                level.calls[name] = level.calls[name] + cost if name in level.calls else cost
     return sorted(levels.values(), key=lambda level: level.trips)
 
 

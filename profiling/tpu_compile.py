@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
+from profiling.roofline import V6E_FLOPS
 from runtime.forward_programs import footprint
 
 V6E_HBM_BYTES = 32 * 2**30  # one v6e chip
@@ -72,31 +73,19 @@ def xla_costs(compiled: jax.stages.Compiled) -> dict:
             "optimal_s": optimal if optimal > 0 else None}  # < 0: not estimated
 
 
-# How XLA prices a Pallas call: its CostEstimate at these rates, the larger of the two (checked
-# in tests/test_tpu_schedule.py); a call without one costs nothing.
-XLA_V6E_FLOPS = 918e12
+# How XLA's cost_analysis() prices a Pallas call: the larger of its CostEstimate's FLOPs at
+# the bf16 peak and its bytes at this rate (checked in tests/test_tpu_schedule.py); a call
+# without a CostEstimate costs nothing.
 XLA_V6E_HBM = 1.638e12
-_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+",'
-                            r'"bytes_accessed":"(\d+)"')
-
-
-def kernel_cost_estimates(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]]:
-    """The CostEstimate (FLOPs, bytes) each Pallas kernel of a compiled TPU program carries,
-    by name; (0, 0) for a kernel without one."""
-    out = {}
-    for line in compiled.as_text().splitlines():
-        if 'custom_call_target="tpu_custom_call"' in line:
-            name = re.search(r"%(\w+?)(\.\d+)? = ", line).group(1)
-            cost = _COST_ESTIMATE.search(line)
-            out[name] = (int(cost.group(1)), int(cost.group(2))) if cost else (0, 0)
-    return out
 
 
 def xla_priced_s(flops: float, hbm_bytes: float) -> float:
     """What XLA's optimal_seconds charges for a Pallas call with this CostEstimate."""
-    return max(flops / XLA_V6E_FLOPS, hbm_bytes / XLA_V6E_HBM)
+    return max(flops / V6E_FLOPS, hbm_bytes / XLA_V6E_HBM)
 
 
 def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:
     """The Pallas kernels a compiled TPU program calls, by name (`pallas_call(name=...)`)."""
-    return sorted(kernel_cost_estimates(compiled))
+    calls = (line for line in compiled.as_text().splitlines()
+             if 'custom_call_target="tpu_custom_call"' in line)
+    return sorted({m.group(1) for line in calls if (m := re.search(r"%(\w+?)(\.\d+)? = ", line))})

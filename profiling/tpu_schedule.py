@@ -272,9 +272,9 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
                       program: bool = False) -> list[dict]:
     """Compile `builder(**case)` -> (fn, args) for one v6e chip in a child process whose libtpu
     dumps its schedules, one case after another. Per case: {"kernels": {name:
-    KernelSchedule}, "kernel_costs": {name: the CostEstimate's (flops, bytes)}, "xla": the
-    program's cost_analysis() flops, bytes and optimal_seconds, "levels": with `program`, the
-    whole program's levels as JSON (profiling.program_schedule.level_from_json), else None}.
+    KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds,
+    "levels": with `program`, the whole program's levels as JSON (profiling.program_schedule.
+    level_from_json), else None}.
     `builder` is "module:function", importable from the repository root."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, LIBTPU_INIT_ARGS=(
@@ -291,9 +291,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
             raise RuntimeError(f"compiling {builder} for v6e failed:\n{done.stderr[-4000:]}")
         with open(out) as f:
             results = json.load(f)
-    return [{"kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()},
-             "kernel_costs": {k: tuple(v) for k, v in r["kernel_costs"].items()},
-             "xla": r["xla"], "levels": r["levels"]}
+    return [{**r, "kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()}}
             for r in results]
 
 

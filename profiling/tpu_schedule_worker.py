@@ -14,7 +14,7 @@ import sys
 import jax
 
 from profiling.program_schedule import level_to_json, program_levels, read_listings
-from profiling.tpu_compile import compile_for_v6e, kernel_cost_estimates, xla_costs
+from profiling.tpu_compile import compile_for_v6e, mosaic_kernels, xla_costs
 from profiling.tpu_schedule import read_dumps, schedule_to_json
 
 
@@ -33,9 +33,10 @@ def main() -> None:
     for case in request["cases"]:
         shutil.rmtree(request["dump_dir"], ignore_errors=True)
         compiled = _compiled(builder(**case))
-        kernels, costs = read_dumps(request["dump_dir"]), kernel_cost_estimates(compiled)
-        results.append({"kernels": {k: schedule_to_json(kernels[k]) for k in costs},
-                        "kernel_costs": costs, "xla": xla_costs(compiled),
+        kernels = read_dumps(request["dump_dir"])
+        results.append({"kernels": {k: schedule_to_json(kernels[k])
+                                    for k in mosaic_kernels(compiled)},
+                        "xla": xla_costs(compiled),
                         "levels": [level_to_json(level) for level in program_levels(
                             read_listings(request["dump_dir"]))] if request["program"] else None})
     with open(request["out"], "w") as f:
