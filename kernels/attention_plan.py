@@ -1,11 +1,13 @@
 """Host-side block plan for the ragged paged attention kernel.
 
-Queries are cut into blocks of `q_block` tokens that never straddle sequences. For every
-q block the plan lists the KV blocks some row of it can see (SPEC §4): the prefix blocks
-[0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items the q block
-overlaps. Other blocks are absent: the kernel neither copies nor multiplies them.
-The (q block, KV block) pairs are flattened into the kernel's 1-D grid of steps; the arrays
-are padded to fixed sizes (jit shapes) and `num_steps` says how many steps are real.
+Queries are cut into q blocks of `q_block` packed tokens, block b holding tokens
+[b * q_block, (b + 1) * q_block): the kernels read q and write their output in token order,
+whatever the batch's sequences. A block may hold rows of several sequences; each (q block,
+sequence) segment gets a step per KV block some row of it can see (SPEC §4): the prefix blocks
+[0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items it overlaps. A
+step masks the block's rows of other sequences. Other KV blocks are absent: the kernel neither
+copies nor multiplies them. The steps are padded to a fixed count (jit shapes) and
+`num_steps` says how many are real.
 """
 import dataclasses
 from typing import NamedTuple
@@ -26,16 +28,14 @@ class BlockSizes:
                              f"of the page size {page_size}")
 
 
-# Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e
-# the kernel alone would be faster at 256/256 (estimated from the compiled schedule, Qwen3-0.6B
-# heads, bf16, page 16: 11 / 39 / 181 us on 10 / 64 / 256 items and 456 us on a 4k causal
-# prefill, against 13 / 73 / 327 / 601 us at 128/512), but each sequence's partial q block
-# pads twice as many rows, which the forward gathers and scatters around the kernel (an
-# embedded-model program held 156 MB of temp, against 79 MiB at most at 128/512): 128/512
-# stays until the whole forward is estimated.
+# Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
+# 256/256 (estimated from the compiled schedule, a model): the kernel alone takes 11 / 40 / 184
+# us on 10 / 64 / 256 items and 462 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
+# 16), against 13 / 73 / 327 / 601 us at 128/512; the whole forward is as fast or faster in 5
+# of 6 (model, bucket) pairs, at most 2% slower (README, "Estimated on v6e").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
 # loop test read back by the host, whatever its size, so steps there are few and large.
-_DEFAULT_BLOCKS = {"TPU v6 lite": (128, 512), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
+_DEFAULT_BLOCKS = {"TPU v6 lite": (256, 256), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
                    "TPU v4": (128, 256), "xla cpu": (64, 128), "xla gpu": (512, 1024)}
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
 
@@ -47,23 +47,25 @@ def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
 
 
 class AttentionPlan(NamedTuple):
-    block_tokens: np.ndarray  # [NB, bq] packed token index of each row (0 for padding rows)
-    row_pos: np.ndarray       # [NB, bq] KV position of each row (-1 for padding rows)
-    row_vis: np.ndarray       # [NB, bq] visible-from a(i) of each row
-    block_seq: np.ndarray     # [NB] sequence of each q block
-    step_block: np.ndarray    # [NS] q block of each grid step
-    step_kv: np.ndarray       # [NS] KV block (within its sequence) of each step
-    step_flags: np.ndarray    # [NS] FIRST | LAST of its q block, NOOP for padding steps
-    token_block: np.ndarray   # [T] q block of each packed token
-    token_row: np.ndarray     # [T] row of each packed token in its q block
-    num_steps: np.ndarray     # [] int32, the real steps (a dynamic grid / loop bound)
+    token_pos: np.ndarray   # [T] KV position of each packed token (-1: padding)
+    token_seq: np.ndarray   # [T] sequence of each packed token (-1: padding)
+    step_block: np.ndarray  # [NS] q block of each grid step
+    step_seq: np.ndarray    # [NS] sequence whose rows of the block the step serves
+    step_kv: np.ndarray     # [NS] KV block (within its sequence) of each step
+    step_flags: np.ndarray  # [NS] FIRST | LAST of its q block, NOOP for padding steps
+    num_steps: np.ndarray   # [] int32, the real steps (a dynamic grid / loop bound)
 
 
-def max_plan_size(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes) -> tuple[int, int]:
-    """Upper bounds on (q blocks, steps) of any batch within these limits: every sequence
-    may add one partial q block, and a q block visits at most all KV blocks of its sequence."""
-    blocks = -(-n_tokens // sizes.q_block) + n_seqs
-    return blocks, blocks * -(-kv_len // sizes.kv_block)
+def num_q_blocks(n_tokens: int, sizes: BlockSizes) -> int:
+    return -(-n_tokens // sizes.q_block)
+
+
+def max_plan_steps(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes) -> int:
+    """An upper bound on the steps of any batch within these limits: each sequence start may
+    split a q block into one segment more, and a segment visits at most all KV blocks of its
+    sequence."""
+    segments = num_q_blocks(n_tokens, sizes) + max(n_seqs - 1, 0)
+    return segments * -(-kv_len // sizes.kv_block)
 
 
 def visited_kv_blocks(plan: AttentionPlan) -> int:
@@ -72,8 +74,9 @@ def visited_kv_blocks(plan: AttentionPlan) -> int:
 
 
 def real_q_blocks(plan: AttentionPlan) -> int:
-    """q blocks that hold a real row (padding blocks excluded)."""
-    return int((np.asarray(plan.row_pos).max(axis=1) >= 0).sum())
+    """q blocks that hold a real row (blocks of padding only have no step)."""
+    real = (np.asarray(plan.step_flags) & NOOP) == 0
+    return len(np.unique(np.asarray(plan.step_block)[real]))
 
 
 def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, prefix_len: int, kv_block: int):
@@ -86,46 +89,51 @@ def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, prefix_len: int, kv_block
     return sorted(blocks)
 
 
-def _pad(rows: list, size: int, fill, row_shape=()) -> np.ndarray:
-    out = np.full((size, *row_shape), fill, np.int32)
-    if rows:
-        out[:len(rows)] = rows
-    return out
+def _token_rows(cu_q_lens, kv_lens, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(KV position, sequence) of each packed token; -1 for padding tokens."""
+    pos, seq = np.full(n_tokens, -1, np.int32), np.full(n_tokens, -1, np.int32)
+    for s in range(len(kv_lens)):
+        lo, hi = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
+        pos[lo:hi] = kv_lens[s] - (hi - lo) + np.arange(hi - lo)
+        seq[lo:hi] = s
+    return pos, seq
+
+
+def _segments(lo: int, hi: int, q_block: int):
+    """Tokens [lo, hi) cut where q blocks start: (block, start, end) pieces."""
+    while lo < hi:
+        end = min(hi, (lo // q_block + 1) * q_block)
+        yield lo // q_block, lo, end
+        lo = end
+
+
+def _block_flags(blocks: np.ndarray) -> np.ndarray:
+    first = np.r_[True, blocks[1:] != blocks[:-1]]
+    last = np.r_[blocks[1:] != blocks[:-1], True]
+    return (FIRST * first | LAST * last).astype(np.int32)
 
 
 def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
-               max_blocks: int | None = None, max_steps: int | None = None) -> AttentionPlan:
-    """Pads q blocks and steps to `max_blocks` and `max_steps` (None: no padding)."""
-    cu, kv_lens = np.asarray(cu_q_lens), np.asarray(kv_lens)
-    visible_from, bq = np.asarray(visible_from), sizes.q_block
-    n_tokens = len(visible_from)
-    tokens, pos, vis, seqs, steps = [], [], [], [], []
-    token_block, token_row = np.zeros(n_tokens, np.int32), np.zeros(n_tokens, np.int32)
+               max_steps: int | None = None) -> AttentionPlan:
+    """Pads the steps to `max_steps` (None: no padding)."""
+    cu, kv_lens, visible_from = map(np.asarray, (cu_q_lens, kv_lens, visible_from))
+    pos, seq = _token_rows(cu, kv_lens, len(visible_from))
+    steps = []
     for s in range(len(kv_lens)):
-        q_len = int(cu[s + 1] - cu[s])
-        for start in range(0, q_len, bq):
-            t = np.arange(cu[s] + start, cu[s] + min(start + bq, q_len))
-            p = kv_lens[s] - q_len + (t - cu[s])
-            kv = needed_kv_blocks(p, visible_from[t], int(prefix_lens[s]), sizes.kv_block)
-            block = len(seqs)
-            steps += [(block, k, FIRST * (i == 0) | LAST * (i == len(kv) - 1))
-                      for i, k in enumerate(kv)]
-            token_block[t], token_row[t] = block, np.arange(len(t))
-            tokens.append(np.pad(t, (0, bq - len(t))))
-            pos.append(np.pad(p, (0, bq - len(t)), constant_values=-1))
-            vis.append(np.pad(visible_from[t], (0, bq - len(t))))
-            seqs.append(s)
+        for block, lo, hi in _segments(int(cu[s]), int(cu[s + 1]), sizes.q_block):
+            kv = needed_kv_blocks(pos[lo:hi], visible_from[lo:hi], int(prefix_lens[s]),
+                                  sizes.kv_block)
+            steps += [(block, s, k) for k in kv]
     n_real = len(steps)
-    n_blocks = _padded_size(len(seqs), max_blocks, "q blocks")
     n_steps = _padded_size(n_real, max_steps, "steps")
-    last = steps[-1] if steps else (0, 0, 0)
-    steps += [(last[0], last[1], NOOP)] * (n_steps - len(steps))
-    step_block, step_kv, step_flags = (np.array(c, np.int32) for c in zip(*steps))
-    return AttentionPlan(
-        block_tokens=_pad(tokens, n_blocks, 0, (bq,)), row_pos=_pad(pos, n_blocks, -1, (bq,)),
-        row_vis=_pad(vis, n_blocks, 0, (bq,)), block_seq=_pad(seqs, n_blocks, 0),
-        step_block=step_block, step_kv=step_kv, step_flags=step_flags,
-        token_block=token_block, token_row=token_row, num_steps=np.int32(max(n_real, 1)))
+    table = np.array(steps or [(0, 0, 0)], np.int32).reshape(-1, 3)
+    flags = _block_flags(table[:, 0]) if steps else np.array([NOOP], np.int32)
+    pad = n_steps - len(table)
+    table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
+    flags = np.concatenate([flags, np.full(pad, NOOP, np.int32)])
+    return AttentionPlan(token_pos=pos, token_seq=seq, step_block=table[:, 0],
+                         step_seq=table[:, 1], step_kv=table[:, 2], step_flags=flags,
+                         num_steps=np.int32(max(n_real, 1)))
 
 
 def _padded_size(n: int, limit: int | None, what: str) -> int:

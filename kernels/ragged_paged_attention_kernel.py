@@ -1,13 +1,16 @@
 """Ragged paged attention with the multi-item mask: the Pallas TPU kernel.
 
 Same semantics as `ragged_paged_attention_reference`. The grid walks the steps of an
-AttentionPlan: one (q block, visible KV block) pair per step. KV pages stay in HBM and are
-copied page by page into a two-slot VMEM buffer, the next step's pages in flight while the
-current step computes. Page tables, lengths and the plan live in SMEM (scalar prefetch).
-The online softmax (max, sum, accumulator) is float32, one KV head at a time, its GQA group
-of query heads stacked as rows. Scores are laid out keys by rows ([kv_block, rows]): the
-reductions over keys then run across vregs and sublanes instead of across lanes, which in the
-compiled v6e schedule cut a step by a fifth (profiling.tpu_schedule; README).
+AttentionPlan: one (q block, sequence, visible KV block) triple per step. q and the output
+are [tokens, heads x head_dim], the projections' own layout, so nothing gathers or transposes
+them around the kernel; a KV head's rows are its group's lane slices of a q block. KV pages
+stay in HBM and are copied page by page into a two-slot VMEM buffer, the next step's pages in
+flight while the current step computes. Page tables, lengths and the plan live in SMEM
+(scalar prefetch). The online softmax (max, sum, accumulator) is float32, one KV head at a
+time, its GQA group of query heads stacked as rows. Scores are laid out keys by rows
+([kv_block, rows]): the reductions over keys then run across vregs and sublanes instead of
+across lanes, which in the compiled v6e schedule cut a step by a fifth (profiling.tpu_schedule;
+README).
 """
 import functools
 import math
@@ -17,17 +20,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes
+from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes, num_q_blocks
 from kernels.ragged_paged_attention import AttentionMetadata, check_shapes
 
 _MASKED = -1e30
 
 
 def _page_copies(step, slot, refs, *, pages_per_seq, pages_per_block):
-    (layer_ref, step_block_ref, step_kv_ref, block_seq_ref, pages_ref,
-     k_hbm, v_hbm, k_buf, v_buf, sems) = refs
-    seq = block_seq_ref[step_block_ref[step]]
-    first_page = seq * pages_per_seq + step_kv_ref[step] * pages_per_block
+    layer_ref, step_seq_ref, step_kv_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
+    first_page = step_seq_ref[step] * pages_per_seq + step_kv_ref[step] * pages_per_block
     copies = []
     for j in range(pages_per_block):
         page = pages_ref[first_page + j]
@@ -56,15 +57,17 @@ def _online_softmax_step(q, k, v, bias, m_ref, l_ref, acc_ref, h, scale):
     acc_ref[h] = acc_ref[h] * alpha + pv
 
 
-def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_ref, pages_ref,
+def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref, pages_ref,
             kv_lens_ref, prefix_lens_ref,
-            q_ref, pos_ref, vis_ref, k_hbm, v_hbm,
+            q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm, zeros_ref,
             o_ref,
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
             *, sm_scale, pages_per_seq, pages_per_block, kv_block):
     i, n = pl.program_id(0), pl.num_programs(0)
-    refs = (layer_ref, step_block_ref, step_kv_ref, block_seq_ref, pages_ref,
-            k_hbm, v_hbm, k_buf, v_buf, sems)
+    bq, d = q_ref.shape[0], k_buf.shape[-1]
+    group = pos_ref.shape[2] // bq
+    del step_block_ref, zeros_ref  # read by the index maps; aliased to o_ref
+    refs = (layer_ref, step_seq_ref, step_kv_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
     copies = functools.partial(_page_copies, refs=refs, pages_per_seq=pages_per_seq,
                                pages_per_block=pages_per_block)
     flags = step_flags_ref[i]
@@ -93,25 +96,30 @@ def _kernel(layer_ref, step_block_ref, step_kv_ref, step_flags_ref, block_seq_re
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        seq = block_seq_ref[step_block_ref[i]]
-        rows = q_ref.shape[2]
+        seq = step_seq_ref[i]
+        rows = pos_ref.shape[2]
         col = step_kv_ref[i] * kv_block + jax.lax.broadcasted_iota(jnp.int32, (kv_block, rows), 0)
-        pos, vis = pos_ref[0], vis_ref[0]  # [1, rows]
+        pos = jnp.where(seq_ref[0] == seq, pos_ref[0], -1)  # [1, rows]: other sequences see none
+        vis = vis_ref[0]
         mask = ((col <= pos) & ((col < prefix_lens_ref[seq]) | (col >= vis))
                 & (col < kv_lens_ref[seq]))
         bias = jnp.where(mask, 0.0, _MASKED)
         k_all, v_all = k_buf[slot], v_buf[slot]  # [pages_per_block, Hkv, page, D]
         scale = sm_scale * math.log2(math.e)
-        for h in range(q_ref.shape[1]):
+        for h in range(m_ref.shape[0]):
             k = k_all[:, h].reshape(kv_block, -1)
             v = v_all[:, h].reshape(kv_block, -1)
-            _online_softmax_step(q_ref[0, h], k, v, bias, m_ref, l_ref, acc_ref, h, scale)
+            heads = range(h * group, (h + 1) * group)
+            q = jnp.concatenate([q_ref[:, pl.ds(j * d, d)] for j in heads])  # rows (g, token)
+            _online_softmax_step(q, k, v, bias, m_ref, l_ref, acc_ref, h, scale)
 
         @pl.when((flags & LAST) != 0)
         def _():
-            denom = l_ref[...]  # 0 only for padding rows, which see nothing
-            out = acc_ref[...] / jnp.where(denom > 0, denom, 1.0)  # [Hkv, D, rows]
-            o_ref[0] = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)
+            out = acc_ref[...] / l_ref[...]  # [Hkv, D, rows]; l >= 1: its max key counts 1
+            out = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)  # rows are (g, token)
+            for j in range(out.shape[0] * group):
+                h, g = divmod(j, group)
+                o_ref[:, pl.ds(j * d, d)] = out[h, g * bq:(g + 1) * bq]
 
 
 def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
@@ -126,6 +134,24 @@ def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_bl
                            bytes_accessed=kv_bytes + q_out_bytes)
 
 
+def _in_blocks(q, md: AttentionMetadata, hkv: int, bq: int):
+    """q [T, Hq, D] as [T padded to whole q blocks, Hq x D] (the projection's own layout),
+    and each row's KV position, sequence and visible-from as [NB, 1, rows]; a block's rows
+    are (query head in group, token), -1 for padding."""
+    t, hq, d = q.shape
+    pad, group = -t % bq, hq // hkv
+    n_blocks = (t + pad) // bq
+    q_rows = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(t + pad, hq * d)
+
+    def per_row(x, fill):
+        x = jnp.pad(x, (0, pad), constant_values=fill).reshape(n_blocks, bq)
+        return jnp.tile(x, (1, group))[:, None, :]
+
+    plan = md.plan
+    return (q_rows, per_row(plan.token_pos, -1), per_row(plan.token_seq, -1),
+            per_row(md.visible_from, 0))
+
+
 def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                            sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False):
     """Pallas kernel; `md.plan` comes from `build_plan` on the same metadata and block sizes."""
@@ -138,28 +164,23 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     sizes.check(page_size)
     t, hq, _ = q.shape
     group, bq = hq // hkv, sizes.q_block
-    if plan.block_tokens.shape[1] != bq:
-        raise ValueError(f"plan q blocks of {plan.block_tokens.shape[1]} rows, sizes say {bq}")
-    n_blocks, rows = plan.block_tokens.shape[0], group * bq
+    if plan.token_pos.shape != (t,):
+        raise ValueError(f"a plan for {plan.token_pos.shape[0]} tokens, q has {t}")
+    n_blocks, rows = num_q_blocks(t, sizes), group * bq
     ppb = sizes.kv_block // page_size
     pages = md.page_indices
     pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
-    q_blocks = q[plan.block_tokens].reshape(n_blocks, bq, hkv, group, d)
-    q_blocks = q_blocks.transpose(0, 2, 3, 1, 4).reshape(n_blocks, hkv, rows, d)
-    per_row = lambda x: jnp.tile(x, (1, group))[:, None, :]  # noqa: E731  rows are (g, t)
-    block_map = lambda i, lyr, sb, *_: (sb[i], 0, 0, 0)  # noqa: E731
+    block_map = lambda i, lyr, sb, *_: (sb[i], 0)  # noqa: E731
     row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
     kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
                                pages_per_block=ppb, kv_block=sizes.kv_block)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=8,
         grid=(jnp.asarray(plan.num_steps, jnp.int32),),
-        in_specs=[pl.BlockSpec((1, hkv, rows, d), block_map),
-                  pl.BlockSpec((1, 1, rows), row_map),
-                  pl.BlockSpec((1, 1, rows), row_map),
-                  pl.BlockSpec(memory_space=pl.ANY),
-                  pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec((1, hkv, rows, d), block_map),
+        in_specs=[pl.BlockSpec((bq, hq * d), block_map)]
+        + [pl.BlockSpec((1, 1, rows), row_map)] * 3
+        + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        out_specs=pl.BlockSpec((bq, hq * d), block_map),
         scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
                         pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
@@ -168,13 +189,13 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                         pltpu.VMEM((hkv, d, rows), jnp.float32)])
     out = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",
-        out_shape=jax.ShapeDtypeStruct((n_blocks, hkv, rows, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_blocks * bq, hq * d), q.dtype),
+        input_output_aliases={14: 0},  # blocks of padding only have no step: they stay 0
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, rows, hkv, d,
                                      sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_kv,
-      plan.step_flags, plan.block_seq, pages.reshape(-1), md.kv_lens, md.prefix_lens,
-      q_blocks, per_row(plan.row_pos), per_row(plan.row_vis), k_pages, v_pages)
-    out = out.reshape(n_blocks, hkv, group, bq, d).transpose(0, 3, 1, 2, 4)
-    return out.reshape(n_blocks, bq, hq, d)[plan.token_block, plan.token_row]
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
+      plan.step_kv, plan.step_flags, pages.reshape(-1), md.kv_lens, md.prefix_lens,
+      *_in_blocks(q, md, hkv, bq), k_pages, v_pages, jnp.zeros((n_blocks * bq, hq * d), q.dtype))
+    return out[:t].reshape(t, hq, d)

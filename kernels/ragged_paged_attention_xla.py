@@ -7,10 +7,10 @@ KV blocks, not with the padded shapes, so one compiled program serves every batc
 shape bucket at the cost of the batch it is given.
 
 What runs per step is kept to the two matmuls and one pass over the scores. The plan's q
-blocks are contiguous runs of packed tokens, its steps in token order, so a step reads its
-rows as a slice of q and writes them as a slice of the output: a block's padding rows spill
-into the rows that follow, which later blocks overwrite (or the tail that is cut off). The
-mask is an additive bias; a row that sees nothing yet takes in junk with a running max of
+blocks are runs of packed tokens in order, so a step reads its rows as a slice of q and
+writes them as a slice of the output; a block's steps are consecutive, its last one storing
+the final result of all its rows. The mask is an additive bias; a row that sees nothing yet
+(of another sequence than the step's, or a padding row) takes in junk with a running max of
 -1e30, and the first key it does see rescales that junk by exp(-1e30 - max) = 0.
 """
 import functools
@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.attention_plan import FIRST, AttentionPlan, BlockSizes
+from kernels.attention_plan import FIRST, AttentionPlan, BlockSizes, num_q_blocks
 from kernels.ragged_paged_attention import (
     MASKED,
     AttentionMetadata,
@@ -34,21 +34,24 @@ def _block_kv(pages_of_seq, kv, k_pages, v_pages, layer, pages_per_block):
     return gather_pages(k_pages, layer, pages), gather_pages(v_pages, layer, pages)
 
 
-def _step(i, carry, *, q, k_pages, v_pages, layer, pages, md, plan, sm_scale, sizes):
-    """One (q block, KV block) pair. q and the output are [Hkv, group, tokens + q_block, D];
-    a block's rows are (query head in group, token), as in the kernel."""
+def _step(i, carry, *, q, k_pages, v_pages, layer, pages, md, rows, plan, sm_scale, sizes):
+    """One (q block, sequence, KV block) step. q and the output are [Hkv, group, blocks x
+    q_block, D]; a block's rows are (query head in group, token), as in the kernel. `rows`:
+    each token's (KV position, sequence, visible-from), padded to the blocks."""
     out, m, total, acc = carry
-    block, kv, first = plan.step_block[i], plan.step_kv[i], (plan.step_flags[i] & FIRST) != 0
+    seq, kv, first = plan.step_seq[i], plan.step_kv[i], (plan.step_flags[i] & FIRST) != 0
     reset = ((m, MASKED), (total, 0.0), (acc, 0.0))
     m, total, acc = (jnp.where(first, init, x) for x, init in reset)
-    seq, pos, start = plan.block_seq[block], plan.row_pos[block], plan.block_tokens[block, 0]
     hkv, group, _, d = q.shape
     bq, kb = sizes.q_block, sizes.kv_block
+    start = plan.step_block[i] * bq
+    pos, row_seq, vis = (jax.lax.dynamic_slice(x, (start,), (bq,)) for x in rows)
+    pos = jnp.where(row_seq == seq, pos, -1)
     q_block = jax.lax.dynamic_slice(q, (0, 0, start, 0), (hkv, group, bq, d))
     k, v = _block_kv(pages[seq], kv, k_pages, v_pages, layer, kb // k_pages.shape[3])
     s = jnp.einsum("hrd,hkd->hrk", q_block.reshape(hkv, group * bq, d), k.astype(jnp.float32))
     cols = kv * kb + jnp.arange(kb)
-    mask = visible_mask(pos, plan.row_vis[block], md.prefix_lens[seq], md.kv_lens[seq], cols)
+    mask = visible_mask(pos, vis, md.prefix_lens[seq], md.kv_lens[seq], cols)
     bias = jnp.where(mask, 0.0, MASKED)
     s = (s.reshape(hkv, group, bq, kb) * sm_scale + bias).reshape(hkv, group * bq, kb)
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -56,7 +59,6 @@ def _step(i, carry, *, q, k_pages, v_pages, layer, pages, md, plan, sm_scale, si
     alpha = jnp.exp(m - m_new)
     total = alpha * total + p.sum(axis=-1)
     acc = alpha[..., None] * acc + jnp.einsum("hrk,hkd->hrd", p, v.astype(jnp.float32))
-    # Every step stores its q block's running result; a block's last step leaves the final one.
     done = (acc / total[..., None]).reshape(hkv, group, bq, d)
     out = jax.lax.dynamic_update_slice(out, done, (0, 0, start, 0))
     return out, m_new, total, acc
@@ -72,20 +74,20 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata
         raise ValueError("the planned attention needs metadata.plan, from build_plan")
     page_size = k_pages.shape[3]
     sizes.check(page_size)
-    if plan.block_tokens.shape[1] != sizes.q_block:
-        raise ValueError(f"plan q blocks of {plan.block_tokens.shape[1]} rows, "
-                         f"sizes say {sizes.q_block}")
     t, hq, d = q.shape
+    if plan.token_pos.shape != (t,):
+        raise ValueError(f"a plan for {plan.token_pos.shape[0]} tokens, q has {t}")
     hkv, bq = k_pages.shape[1], sizes.q_block
-    group = hq // hkv
+    group, pad = hq // hkv, num_q_blocks(t, sizes) * bq - t
     pages = md.page_indices
     pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % (sizes.kv_block // page_size))))
-    # Head-major, with q_block rows of room after the last token for a last block's spill.
     q_heads = q.astype(jnp.float32).reshape(t, hkv, group, d).transpose(1, 2, 0, 3)
-    q_heads = jnp.pad(q_heads, ((0, 0), (0, 0), (0, bq), (0, 0)))
+    q_heads = jnp.pad(q_heads, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    rows = tuple(jnp.pad(x, (0, pad), constant_values=fill) for x, fill in (
+        (plan.token_pos, -1), (plan.token_seq, -1), (md.visible_from, 0)))
     step = functools.partial(
         _step, q=q_heads, k_pages=k_pages, v_pages=v_pages, layer=layer, pages=pages,
-        md=md, plan=plan, sm_scale=sm_scale, sizes=sizes)
+        md=md, rows=rows, plan=plan, sm_scale=sm_scale, sizes=sizes)
     stats = jnp.full((hkv, group * bq), MASKED, jnp.float32)
     carry = (jnp.zeros_like(q_heads), stats, jnp.zeros_like(stats),
              jnp.zeros((hkv, group * bq, d), jnp.float32))

@@ -90,7 +90,9 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):
     """(KV blocks visited, a dense causal kernel's count, the kernel's cost at the real steps)."""
     plan = batch.attention.plan
     visited = visited_kv_blocks(plan)
-    dense = int(sum(p // sizes.kv_block + 1 for p in plan.row_pos.max(axis=1) if p >= 0))
+    pos = plan.token_pos
+    block_ends = (pos[b:b + sizes.q_block].max() for b in range(0, len(pos), sizes.q_block))
+    dense = int(sum(p // sizes.kv_block + 1 for p in block_ends if p >= 0))
     rows = sizes.q_block * heads.q // heads.kv
     return visited, dense, attention_cost(visited, real_q_blocks(plan), rows, heads.kv,
                                           heads.dim, sizes.kv_block, itemsize)

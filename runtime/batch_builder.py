@@ -74,7 +74,7 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes
     if sizes is None:
         return md, offsets
     plan = build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes,
-                      shape.q_blocks, shape.steps)
+                      shape.steps)
     return md._replace(plan=plan), offsets
 
 

@@ -6,7 +6,7 @@ steps, the scored rows).
 """
 import dataclasses
 
-from kernels.attention_plan import BlockSizes, max_plan_size
+from kernels.attention_plan import BlockSizes, max_plan_steps
 
 MIN_TOKENS = 16
 FINE_TOKENS = 256  # buckets a quarter apart from here up
@@ -24,8 +24,7 @@ class BatchShape:
     rows: int           # scored rows
     labels: int         # label ids per row
     written_pages: int  # KV pages the new tokens fill (each sequence may end in a part page)
-    q_blocks: int = 0   # attention plan sizes (0: no plan)
-    steps: int = 0
+    steps: int = 0      # attention plan steps (0: no plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +59,10 @@ class ShapeBuckets:
         tokens = next(size for size in self.token_sizes() if size >= need)
         seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
         pages = pages_needed(self.max_kv_len, self.page_size)
-        plan = (0, 0) if self.sizes is None else max_plan_size(
+        steps = 0 if self.sizes is None else max_plan_steps(
             tokens, seqs, pages * self.page_size, self.sizes)
         written = pages_needed(tokens, self.page_size) + seqs
-        return BatchShape(tokens, seqs, pages, rows, self.max_labels, written, *plan)
+        return BatchShape(tokens, seqs, pages, rows, self.max_labels, written, steps)
 
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.max_tokens)) for t in self.token_sizes()]
