@@ -134,13 +134,14 @@ def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_bl
                            bytes_accessed=kv_bytes + q_out_bytes)
 
 
-def _in_blocks(q, md: AttentionMetadata, hkv: int, bq: int):
+def _in_blocks(q, md: AttentionMetadata, hkv: int, sizes: BlockSizes):
     """q [T, Hq, D] as [T padded to whole q blocks, Hq x D] (the projection's own layout),
     and each row's KV position, sequence and visible-from as [NB, 1, rows]; a block's rows
     are (query head in group, token), -1 for padding."""
     t, hq, d = q.shape
-    pad, group = -t % bq, hq // hkv
-    n_blocks = (t + pad) // bq
+    bq, group = sizes.q_block, hq // hkv
+    n_blocks = num_q_blocks(t, sizes)
+    pad = n_blocks * bq - t
     q_rows = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(t + pad, hq * d)
 
     def per_row(x, fill):
@@ -197,5 +198,5 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
       plan.step_kv, plan.step_flags, pages.reshape(-1), md.kv_lens, md.prefix_lens,
-      *_in_blocks(q, md, hkv, bq), k_pages, v_pages, jnp.zeros((n_blocks * bq, hq * d), q.dtype))
+      *_in_blocks(q, md, hkv, sizes), k_pages, v_pages, jnp.zeros((n_blocks * bq, hq * d), q.dtype))
     return out[:t].reshape(t, hq, d)

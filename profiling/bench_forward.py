@@ -161,8 +161,9 @@ def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
     """The same batch on a v6e chip in bfloat16 (a model: no TPU ran it): the estimate from the
     compiled program's schedule, its levels, and the roofline of its work at v6e's blocks."""
     cfg, engine_cfg = engine.cfg, dataclasses.replace(engine.engine_cfg, dtype="bfloat16")
-    estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse)
-    _, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    built = v6e_batch(cfg, engine_cfg, entries, labels)
+    _, batch, sizes = built
+    estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
     bound = roofline(*work(cfg, engine.runner.params, batch, tokens, len(labels), sizes,
                            with_lse, 2), None)["v6e_roofline_s"]

@@ -24,7 +24,7 @@ from profiling.kernel_estimates import (
     kv_write_estimate,
     label_gather_estimate,
 )
-from profiling.program_schedule import callee_kernel, level_from_json, program_seconds
+from profiling.program_schedule import level_from_json, program_seconds
 from profiling.tpu_compile import v6e_devices
 from profiling.tpu_schedule import compile_schedules
 from runtime.batch_builder import build_batch
@@ -52,12 +52,13 @@ def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
 
 
 def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels,
-                     with_lse: bool) -> dict:
+                     with_lse: bool, built=None) -> dict:
     """The v6e estimate of one forward of `entries` (ScheduledSeq) scoring `labels` (per row):
     seconds, and per level of the program (outside the layer loop, one layer) the XLA ops'
-    bundles and bytes, the kernels' seconds and the costliest XLA ops."""
+    bundles and bytes, the kernels' seconds and the costliest XLA ops. `built`: the batch's
+    `v6e_batch`, if the caller has it."""
     engine_cfg = dataclasses.replace(engine_cfg, attention_backend="auto", warmup=False)
-    shape, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    shape, batch, sizes = built or v6e_batch(cfg, engine_cfg, entries, labels)
     case = dict(model=dataclasses.asdict(cfg), engine=dataclasses.asdict(engine_cfg),
                 shape=dataclasses.asdict(shape), with_lse=with_lse)
     (result,) = compile_schedules("profiling.forward_estimate:program_case", [case],
@@ -76,13 +77,11 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
 
 
 def _level_summary(level, priced: dict, top: int = 5) -> dict:
-    xla = {name: cost for name, cost in level.calls.items() if callee_kernel(name) not in priced}
-    kernels = [callee_kernel(name) for name in level.calls if name not in xla]
-    costliest = sorted(xla.items(), key=lambda kv: -kv[1].bundles)[:top]
+    xla = level.xla_cost(priced)
+    costliest = sorted(level.xla_calls(priced).items(), key=lambda kv: -kv[1].bundles)[:top]
     return {"trips": level.trips, "seconds_per_trip": level.seconds(priced),
-            "xla_bundles": level.bundles + sum(c.bundles for c in xla.values()),
-            "xla_hbm_bytes": level.hbm_bytes + sum(c.hbm_bytes for c in xla.values()),
-            "kernels_s": sum(priced[k] for k in kernels),
+            "xla_bundles": xla.bundles, "xla_hbm_bytes": xla.hbm_bytes,
+            "kernels_s": level.kernels_seconds(priced),
             "unknown_loops": level.unknown_loops,
             "costliest_xla_ops": {name: cost.bundles for name, cost in costliest}}
 

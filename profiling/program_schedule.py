@@ -110,18 +110,29 @@ class Level:
     hbm_bytes: float = 0
     calls: dict = dataclasses.field(default_factory=dict)  # name -> ListingCost, per trip
 
+    def xla_calls(self, kernel_seconds: dict[str, float]) -> dict:
+        """The callees that are not in `kernel_seconds` (by `pallas_call` name, without XLA's
+        `.N` suffix): XLA's own fusions, priced by their listings."""
+        return {name: cost for name, cost in self.calls.items()
+                if callee_kernel(name) not in kernel_seconds}
+
+    def xla_cost(self, kernel_seconds: dict[str, float]) -> ListingCost:
+        """One trip's bundles and DMA bytes outside the priced kernels: the TLP's own and its
+        XLA callees'."""
+        return sum(self.xla_calls(kernel_seconds).values(),
+                   ListingCost(self.bundles, self.hbm_bytes, 0))
+
+    def kernels_seconds(self, kernel_seconds: dict[str, float]) -> float:
+        return sum(kernel_seconds[callee_kernel(name)] for name in self.calls
+                   if callee_kernel(name) in kernel_seconds)
+
     def seconds(self, kernel_seconds: dict[str, float], clock_hz: float = V6E_CLOCK_HZ,
                 hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S) -> float:
-        """One trip: the callees in `kernel_seconds` (by `pallas_call` name, without XLA's
-        `.N` suffix) at those prices, the rest with the TLP's own bundles and DMAs."""
-        bundles, hbm, kernels = self.bundles, self.hbm_bytes, 0.0
-        for name, cost in self.calls.items():
-            kernel = callee_kernel(name)
-            if kernel in kernel_seconds:
-                kernels += kernel_seconds[kernel]
-            else:
-                bundles, hbm = bundles + cost.bundles, hbm + cost.hbm_bytes
-        return max(bundles / clock_hz, hbm / hbm_bytes_per_s) + kernels
+        """One trip: the callees in `kernel_seconds` at those prices, the rest with the TLP's
+        own bundles and DMAs."""
+        xla = self.xla_cost(kernel_seconds)
+        return (max(xla.bundles / clock_hz, xla.hbm_bytes / hbm_bytes_per_s)
+                + self.kernels_seconds(kernel_seconds))
 
     @property
     def unknown_loops(self) -> int:

@@ -73,12 +73,9 @@ class ForwardPrograms:
         k = self._cache.k
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
-    def lower(self, shape: BatchShape, with_lse: bool,
-              forward=score_forward) -> jax.stages.Lowered:
-        """The program of `forward`: score_forward, or a part of it with the same keyword
-        arguments and outputs shaped alike (profiling compiles parts to price them)."""
+    def lower(self, shape: BatchShape, with_lse: bool) -> jax.stages.Lowered:
         forward = functools.partial(
-            forward, cfg=self.cfg, max_q_len=shape.tokens, with_logsumexp=with_lse,
+            score_forward, cfg=self.cfg, max_q_len=shape.tokens, with_logsumexp=with_lse,
             backend=self.backend, sizes=self.buckets.sizes, shards=self.shards)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
         batch = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
