@@ -2,13 +2,16 @@
 
 Same contract as `final_norm_label_gather_reference`; never writes [R, V] logits. Label ids
 are padded to a fixed count per row: both kernels loop over the first `num_labels` of them
-only (a runtime trip count), with labels as a leading dim [K, rows, 1], so that label k is a
-dynamic index Mosaic accepts and padded labels cost nothing.
-- Labels only (apply_softmax): for each label, the tile of SUBLANES head rows holding it is
-  copied by DMA (a DMA into a tiled array starts on a tile boundary), one label's tiles in
-  flight while the previous one's are used; the label's column is picked from that tile's
-  logits. The [V, H] head is never read whole. When those tiles would outweigh the head, or
-  the head's rows are no whole number of tiles, the streamed kernel serves this mode too.
+only (a runtime trip count), with labels as a leading dim ([K, 1, rows] or [K, rows, 1]), so
+that label k is a dynamic index Mosaic accepts and padded labels cost nothing.
+- Labels only (apply_softmax): rows come in label runs, consecutive rows with the same label
+  ids (a request's items). For each run and label, the tile of SUBLANES head rows holding
+  the label is copied by DMA once (a DMA into a tiled array starts on a tile boundary),
+  _CHUNK_TILES tiles to a chunk, the next chunk in flight while this one's logits are
+  computed with rows on lanes; each row's column is picked by comparing head rows with its
+  label's place in the chunk. The [V, H] head is never read whole. When those tiles would
+  outweigh the head, or the head's rows are no whole number of tiles, the streamed kernel
+  serves this mode too.
 - With logsumexp: the head streams through VMEM in vocabulary tiles; a float32 online
   max/sum gives the logsumexp and label columns are picked inside each tile by comparing
   column ids with the label ids (no dynamic gather). Columns past V are masked.
@@ -24,57 +27,83 @@ from kernels.label_gather import check_shapes, scale_and_cap
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import LANES, SUBLANES
 
-_ROW_BLOCK = 8  # labels only: rows per grid step
+_CHUNK_TILES = 8  # labels only: head tiles per chunk (README, "Label gather")
+_LABEL_ROWS = 256  # labels only: rows per grid step, on lanes
 _HEAD_TILE_BYTES = 8 << 20  # streamed: one vocabulary tile of the head (double-buffered)
 
 
-def _label_tiles_kernel(counts_ref, labels_smem, hidden_ref, norm_ref, labels_ref, head_hbm,
-                        out_ref, tiles, sems, *, eps, logit_scale, softcap):
-    """Grid: blocks of _ROW_BLOCK rows. counts_ref: (real rows, real labels)."""
-    n_labels, row_block = out_ref.shape[0], out_ref.shape[1]
-    first_row = pl.program_id(0) * row_block
+def _next_run(runs_smem, row):
+    """The first row after `row` that starts another label run."""
+    return jax.lax.while_loop(lambda r: runs_smem[r] == runs_smem[row], lambda r: r + 1, row + 1)
+
+
+def _start_chunk(c, cursor, copy, labels_smem, runs_smem, n_labels, count, n_pairs):
+    """Starts the tile copies of chunk `c`'s (run, label) pairs from `cursor`, (a row of the
+    run, label) of its first pair; returns the next chunk's cursor."""
+    def pair(i, cursor):
+        row, k = cursor
+        copy(c, i, labels_smem[row * n_labels + k]).start()
+        wrap = k + 1 == count
+        row = jax.lax.cond(wrap & (c * _CHUNK_TILES + i + 1 < n_pairs),
+                           lambda: _next_run(runs_smem, row), lambda: row)
+        return row, jnp.where(wrap, 0, k + 1)
+    return jax.lax.fori_loop(0, jnp.minimum(_CHUNK_TILES, n_pairs - c * _CHUNK_TILES), pair,
+                             cursor)
+
+
+def _pick_labels(c, logits, pair_of, labels_ref, out_ref, count):
+    """Adds to each row's label logits the ones chunk `c` holds: `logits` is [chunk's head
+    rows, rows], and label k of a row sits in tile `pair_of + k - c * _CHUNK_TILES`."""
+    head_row = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0)
+
+    def pick(i, carry):  # the labels with a pair in this chunk
+        k = jax.lax.rem(c * _CHUNK_TILES + i, count)
+        at = (pair_of + k - c * _CHUNK_TILES) * SUBLANES + jax.lax.rem(labels_ref[k], SUBLANES)
+        out_ref[k] += jnp.sum(jnp.where(head_row == at, logits, 0.0), axis=0, keepdims=True)
+        return carry
+
+    jax.lax.fori_loop(0, jnp.minimum(_CHUNK_TILES, count), pick, 0)
+
+
+def _label_tiles_kernel(counts_ref, labels_smem, runs_smem, hidden_ref, norm_ref, labels_ref,
+                        runs_ref, head_hbm, out_ref, tiles, sems, *, eps, logit_scale, softcap):
+    """Grid: blocks of rows. counts_ref: (real rows, real labels). A label run is consecutive
+    rows with the same label ids (a request's items); each (run, label) pair of the block
+    copies its tile of head rows once, _CHUNK_TILES pairs to a chunk, the next chunk in flight
+    while this one's logits `[chunk's head rows, rows]` are computed and picked from."""
+    row_block, n_rows, count = labels_ref.shape[2], counts_ref[0], counts_ref[1]
+    first = pl.program_id(0) * row_block
     out_ref[...] = jnp.zeros(out_ref.shape, jnp.float32)
 
-    def copies(k, slot):  # label k of every row of the block: its tile of head rows
-        def one(r):
-            label = labels_smem[(first_row + r) * n_labels + k]
-            start = pl.multiple_of(jax.lax.div(label, SUBLANES) * SUBLANES, SUBLANES)
-            return pltpu.make_async_copy(head_hbm.at[pl.ds(start, SUBLANES)],
-                                         tiles.at[slot, r], sems.at[slot])
-        return [one(r) for r in range(row_block)]
+    def copy(c, i, label):  # ids are >= 0
+        start = pl.multiple_of(jax.lax.div(label, SUBLANES) * SUBLANES, SUBLANES)
+        return pltpu.make_async_copy(head_hbm.at[pl.ds(start, SUBLANES)], tiles.at[c % 2, i],
+                                     sems.at[c % 2])
 
-    @pl.when(first_row < counts_ref[0])
+    @pl.when((first < n_rows) & (count > 0))
     def _():
+        base = runs_smem[first]
+        n_pairs = (runs_smem[jnp.minimum(first + row_block, n_rows) - 1] - base + 1) * count
+        start = functools.partial(_start_chunk, copy=copy, labels_smem=labels_smem,
+                                  runs_smem=runs_smem, n_labels=labels_ref.shape[0],
+                                  count=count, n_pairs=n_pairs)
         x = rms_norm(hidden_ref[...], norm_ref[0], eps)
-        shape = (row_block, row_block * SUBLANES)
-        own_tile = jax.lax.broadcasted_iota(jnp.int32, shape, 0) * SUBLANES
-        lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        count = counts_ref[1]
+        pair_of = (runs_ref[...] - base) * count  # [1, rows]: the row's pair of label 0
 
-        @pl.when(count > 0)
-        def _():
-            for c in copies(0, 0):
-                c.start()
-
-        def label(k, carry):
-            slot = k % 2
-
-            @pl.when(k + 1 < count)
-            def _():
-                for c in copies(k + 1, 1 - slot):
-                    c.start()
-
-            for c in copies(k, slot):
-                c.wait()
-            logits = jax.lax.dot_general(x, tiles[slot].reshape(shape[1], -1),
-                                         (((1,), (1,)), ((), ())),
+        def chunk(c, cursor):
+            cursor = jax.lax.cond((c + 1) * _CHUNK_TILES < n_pairs,
+                                  lambda: start(c + 1, cursor), lambda: cursor)
+            in_chunk = jnp.minimum(_CHUNK_TILES, n_pairs - c * _CHUNK_TILES)
+            jax.lax.fori_loop(0, in_chunk, lambda i, _: copy(c, i, 0).wait(), None)
+            chunk_rows = tiles[c % 2].reshape(_CHUNK_TILES * SUBLANES, -1)
+            logits = jax.lax.dot_general(chunk_rows, x, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
-            hit = lane == own_tile + jax.lax.rem(labels_ref[k], SUBLANES)  # ids are >= 0
-            picked = jnp.sum(jnp.where(hit, logits, 0.0), axis=1, keepdims=True)
-            out_ref[k] = scale_and_cap(picked, logit_scale, softcap)
-            return carry
+            _pick_labels(c, logits, pair_of, labels_ref, out_ref, count)
+            return cursor
 
-        jax.lax.fori_loop(0, count, label, 0)
+        jax.lax.fori_loop(0, pl.cdiv(n_pairs, _CHUNK_TILES), chunk, start(0, (first, 0)))
+        real = first + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 2) < n_rows
+        out_ref[...] = jnp.where(real, scale_and_cap(out_ref[...], logit_scale, softcap), 0.0)
 
 
 def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
@@ -115,12 +144,13 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
         lse_ref[...] = (m_ref[...] + jnp.log(s_ref[...]))[:, :1]
 
 
-def label_rows_cost(rows: int, labels: int, hidden: int, itemsize: int) -> pl.CostEstimate:
-    """Labels only: each row's hidden state, and for each of its labels the tile of head rows
-    that holds it, read once."""
-    return pl.CostEstimate(flops=2 * rows * labels * hidden * SUBLANES, transcendentals=rows,
-                           bytes_accessed=(rows * labels * SUBLANES + rows) * hidden * itemsize
-                           + rows * labels * 4)
+def label_rows_cost(rows: int, labels: int, hidden: int, itemsize: int,
+                    runs: int = 1) -> pl.CostEstimate:
+    """Labels only: each row's hidden state, and for each label of each of `runs` label runs
+    the tile of head rows that holds it, read once."""
+    tiles = runs * labels * SUBLANES
+    return pl.CostEstimate(flops=2 * rows * tiles * hidden, transcendentals=rows,
+                           bytes_accessed=(tiles + rows) * hidden * itemsize + rows * labels * 4)
 
 
 def streamed_cost(rows: int, labels: int, vocab: int, hidden: int, row_block: int,
@@ -131,10 +161,23 @@ def streamed_cost(rows: int, labels: int, vocab: int, hidden: int, row_block: in
                            + rows * hidden * itemsize + rows * (labels + 1) * 4)
 
 
-def label_tiles_pay(rows, labels, vocab: int):
-    """Labels only: whether copying each label's tile of head rows reads less of the head than
-    streaming it once (runtime values: the real rows and labels)."""
-    return rows * labels * SUBLANES < vocab
+def label_tiles_pay(runs, labels, vocab: int):
+    """Labels only: whether copying each label run's label tiles of head rows reads less of the
+    head than streaming it once (runtime values: the real runs and labels)."""
+    return runs * labels * SUBLANES < vocab
+
+
+def label_runs(labels, num_rows):
+    """[R] int32: each row's label run, consecutive rows with the same label ids numbered from
+    0; rows from `num_rows` on stay in the last run."""
+    rows = labels.shape[0]
+    changes = jnp.any(labels[1:] != labels[:-1], axis=1) & (jnp.arange(1, rows) < num_rows)
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(changes, dtype=jnp.int32)])
+
+
+def label_row_block(rows: int, most: int = _LABEL_ROWS) -> int:
+    """Labels only: rows per grid step; a block of fewer than `most` is all the rows."""
+    return min(-(-rows // SUBLANES) * SUBLANES, most)
 
 
 def head_tile_rows(vocab: int, hidden: int, itemsize: int, most: int = 2048) -> int:
@@ -159,26 +202,28 @@ def _by_label(labels):
     return labels.T[:, :, None]
 
 
-def _label_tiles(counts, hidden, norm, head, labels, interpret, **kw):
+def _label_tiles(counts, hidden, norm, head, labels, runs, row_block, interpret, **kw):
     (r, h), k = hidden.shape, labels.shape[1]
     rows = lambda i, *_: (i, 0)  # noqa: E731
-    by_label = lambda i, *_: (0, i, 0)  # noqa: E731
+    on_lanes = lambda i, *_: (0, 0, i)  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_label_tiles_kernel, **kw), name="label_gather_rows",
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(r // _ROW_BLOCK,),
-            in_specs=[pl.BlockSpec((_ROW_BLOCK, h), rows),
+            num_scalar_prefetch=3, grid=(r // row_block,),
+            in_specs=[pl.BlockSpec((row_block, h), rows),
                       pl.BlockSpec((1, h), lambda i, *_: (0, 0)),
-                      pl.BlockSpec((k, _ROW_BLOCK, 1), by_label),
+                      pl.BlockSpec((k, 1, row_block), on_lanes),
+                      pl.BlockSpec((1, row_block), lambda i, *_: (0, i)),
                       pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((k, _ROW_BLOCK, 1), by_label),
-            scratch_shapes=[pltpu.VMEM((2, _ROW_BLOCK, SUBLANES, h), head.dtype),
+            out_specs=pl.BlockSpec((k, 1, row_block), on_lanes),
+            scratch_shapes=[pltpu.VMEM((2, _CHUNK_TILES, SUBLANES, h), head.dtype),
                             pltpu.SemaphoreType.DMA((2,))]),
-        out_shape=jax.ShapeDtypeStruct((k, r, 1), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((k, 1, r), jnp.float32),
         cost_estimate=label_rows_cost(r, k, h, head.dtype.itemsize),
         interpret=interpret,
-    )(counts, labels.reshape(-1), hidden, norm.reshape(1, h), _by_label(labels), head)
-    return out[:, :, 0].T
+    )(counts, labels.reshape(-1), runs, hidden, norm.reshape(1, h), labels.T[:, None, :],
+      runs[None, :], head)
+    return out[:, 0, :].T
 
 
 def _streamed(counts, hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw):
@@ -212,12 +257,13 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
                             with_logsumexp: bool, num_rows=None, num_labels=None,
                             logit_scale: float = 1.0, softcap: float | None = None,
                             vocab_tile: int = 2048, max_stream_rows: int = 256,
-                            interpret=False):
+                            max_label_rows: int = _LABEL_ROWS, interpret=False):
     """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
 
     `num_rows`, `num_labels` (runtime data; None: all): the real rows and the real labels of
     any row; label columns past `num_labels` come back 0. The streamed mode reads the head
-    once per block of up to `max_stream_rows` rows."""
+    once per block of up to `max_stream_rows` rows; labels only, a grid step takes up to
+    `max_label_rows` rows (a multiple of 128 where there are more rows)."""
     check_shapes(hidden, norm_weight, head, label_ids)
     (r, h), (vocab, k) = hidden.shape, (head.shape[0], label_ids.shape[1])
     counts = jnp.stack([jnp.asarray(r if num_rows is None else num_rows, jnp.int32),
@@ -238,9 +284,15 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
     if vocab % SUBLANES:  # the head's rows are no whole number of tiles
         return streamed()[0], None
 
-    def tiles():
-        return _label_tiles(counts, _pad_rows(hidden, _ROW_BLOCK), norm_weight, head,
-                            _pad_rows(labels, _ROW_BLOCK), interpret, **kw)[:r]
+    runs = label_runs(labels, counts[0])
+    row_block = label_row_block(r, max_label_rows)
 
-    return jax.lax.cond(label_tiles_pay(counts[0], counts[1], vocab), tiles,
+    def tiles():
+        return _label_tiles(counts, _pad_rows(hidden, row_block), norm_weight, head,
+                            _pad_rows(labels, row_block),
+                            jnp.pad(runs, (0, -r % row_block), mode="edge"), row_block,
+                            interpret, **kw)[:r]
+
+    n_runs = runs[jnp.maximum(counts[0], 1) - 1] + 1
+    return jax.lax.cond(label_tiles_pay(n_runs, counts[1], vocab), tiles,
                         lambda: streamed()[0]), None

@@ -7,12 +7,13 @@ python -m profiling.bench_label_gather [--vocabs 49152,151936,262144] [--rows 1,
 Modes: labels only (apply_softmax=true: only the label rows of the head are read) and streamed
 logsumexp (apply_softmax=false: the head streamed once per block of rows, no logits written).
 Baseline: what a server that builds logits does: read the head, write [R, V] float32 logits,
-read them back for the log-softmax and the gather. bfloat16, inputs from seed 0.
+read them back for the log-softmax and the gather. bfloat16, inputs from seed 0; the rows share
+their labels, as a request's items do (one label run).
 Timing: on TPU the Pallas kernels' device time in a profiler trace (the baseline by wall
 clock); elsewhere wall clock after block_until_ready of the path the server runs there (the
 row-blocked XLA loop), median of repeats after a warm-up call. The v6e estimate of each
 kernel (`profiling.tpu_schedule`, a model: no TPU ran it) compiles it for v6e and counts its
-grid steps, with the loop over labels run once per label.
+grid steps, with its loops over labels run once per label.
 """
 import jax
 import jax.numpy as jnp
@@ -22,10 +23,12 @@ from absl import app, flags
 from kernels.label_gather import final_norm_label_gather_xla
 from kernels.label_gather_kernel import (
     final_norm_label_gather,
+    label_row_block,
     label_rows_cost,
     streamed_cost,
     streamed_row_block,
 )
+from kernels.tpu_tiles import lane_aligned
 from profiling.kernel_estimates import GATHER_KERNELS, label_gather_estimate
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
@@ -80,7 +83,7 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
     args = (jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16),
             jnp.ones(hidden, jnp.bfloat16),
             jnp.asarray(rng.standard_normal((vocab, hidden)), jnp.bfloat16),
-            jnp.asarray(rng.integers(0, vocab, (rows, labels)), jnp.int32))
+            jnp.asarray(np.tile(rng.integers(0, vocab, labels), (rows, 1)), jnp.int32))
     times = {}
     for mode, fn in _paths(rows).items():
         out = subdir(trace_dir, mode)
@@ -92,17 +95,20 @@ def measure(rows: int, vocab: int, hidden: int, labels: int, repeats: int,
 
 
 def kernel_case(mode: str, rows: int, vocab: int, hidden: int, labels: int):
-    """The mode's kernels as (fn, args) for `compile_schedules`. Labels only: at least two
-    blocks of 8 rows, since a grid of one step compiles without a grid loop (the schedule's
-    step would be the loop over labels); a step's work is the same at any row count."""
+    """The mode's kernels as (fn, args) for `compile_schedules`. Labels only: two row blocks,
+    since a grid of one step compiles without a grid loop (the schedule's step would be a loop
+    inside it); where there are more blocks they are of whole lane tiles, so below 128 rows a
+    step is estimated at 128 (an upper bound)."""
     sds = jax.ShapeDtypeStruct
-    rows = max(rows, 16) if mode == "labels_only" else rows
+    block = lane_aligned(label_row_block(rows))
+    rows = 2 * block if mode == "labels_only" else rows
     args = (sds((rows, hidden), jnp.bfloat16), sds((hidden,), jnp.bfloat16),
             sds((vocab, hidden), jnp.bfloat16), sds((rows, labels), jnp.int32))
     with_lse = mode == "streamed_logsumexp"
 
     def gather(*a):
-        return final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse)
+        return final_norm_label_gather(*a, eps=1e-6, with_logsumexp=with_lse,
+                                       max_label_rows=block)
     return gather, args
 
 

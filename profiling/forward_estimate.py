@@ -23,6 +23,7 @@ from profiling.kernel_estimates import (
     attention_estimate,
     kv_write_estimate,
     label_gather_estimate,
+    label_run_count,
 )
 from profiling.program_schedule import level_from_json, program_seconds
 from profiling.tpu_compile import v6e_devices
@@ -94,11 +95,11 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     attn = attention_cost(steps, real_q_blocks(plan), sizes.q_block * cfg.num_heads
                           // cfg.num_kv_heads, cfg.num_kv_heads, d, sizes.kv_block, 2)
     real_pages = int(np.sum(np.asarray(batch.kv_pages) < _POOL_PAGES))
-    rows, n_labels = shape.rows, max(len(row) for row in labels)
-    mode = ("labels_only" if not with_lse and label_tiles_pay(len(labels), n_labels,
-                                                                cfg.vocab_size)
+    rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
+    mode = ("labels_only" if not with_lse and label_tiles_pay(runs, n_labels, cfg.vocab_size)
             else "streamed_logsumexp")
-    gather_cost = (label_rows_cost(rows, n_labels, cfg.hidden_size, 2) if mode == "labels_only"
+    gather_cost = (label_rows_cost(rows, n_labels, cfg.hidden_size, 2, runs)
+                   if mode == "labels_only"
                    else streamed_cost(rows, n_labels, cfg.vocab_size, cfg.hidden_size,
                                       streamed_row_block(rows), 2))
     return {

@@ -3,7 +3,7 @@
 forward's estimate, which compile the kernels in different programs.
 """
 from kernels.attention_plan import AttentionPlan, real_q_blocks
-from kernels.label_gather_kernel import head_tile_rows, streamed_row_block
+from kernels.label_gather_kernel import head_tile_rows, label_row_block, streamed_row_block
 from profiling.tpu_schedule import KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
@@ -25,18 +25,21 @@ def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int
 
 
 def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
-    """Grid steps of the gather kernel: blocks of 8 rows (labels only), or row blocks x
-    vocabulary tiles (streamed)."""
+    """Grid steps of the gather kernel: row blocks (labels only), or row blocks x vocabulary
+    tiles (streamed)."""
     if mode == "labels_only":
-        return -(-rows // 8)
+        return -(-rows // label_row_block(rows))
     return -(-rows // streamed_row_block(rows)) * -(-vocab // head_tile_rows(vocab, hidden, 2))
 
 
 def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab: int,
                           hidden: int, labels: int, kernel_bytes: float) -> dict:
-    """The gather kernel of `mode` on `rows` rows of `labels` labels; the loop over a row's
-    labels (a runtime bound) runs once per label. A head tile clamped at the vocabulary's end
-    has a runtime size: then the step's bytes are `kernel_bytes` (its own count) per step."""
+    """The gather kernel of `mode` on `rows` rows of `labels` labels, each loop with a runtime
+    bound run once per label: the streamed kernel's loop over labels; labels only, with one
+    label run, an upper bound (its loops over a chunk's tiles and labels run once per label,
+    its loop over chunks once, its scan for the next run never). A head tile clamped at the
+    vocabulary's end has a runtime size: then the step's bytes are `kernel_bytes` (its own
+    count) per step."""
     per_label = {j: labels for j, (_, trips, _) in enumerate(schedule.inner_loops)
                  if trips is None}
     steps = label_gather_steps(mode, rows, vocab, hidden)
@@ -44,6 +47,11 @@ def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab:
     return {"step_bundles": schedule.step_bundles(loop_trips=per_label),
             "v6e_estimate_s": estimate_seconds(schedule, steps, loop_trips=per_label,
                                                step_bytes=step_bytes)}
+
+
+def label_run_count(row_labels: list[list[int]]) -> int:
+    """Label runs of a batch's rows: consecutive rows with the same label ids."""
+    return 1 + sum(a != b for a, b in zip(row_labels, row_labels[1:]))
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,

@@ -7,7 +7,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
-from kernels.label_gather_kernel import final_norm_label_gather, label_tiles_pay
+from kernels.label_gather_kernel import final_norm_label_gather, label_runs, label_tiles_pay
 from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
 
 CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)
@@ -102,9 +102,34 @@ def test_label_tiles_have_no_dma_races(mode):
 
 
 def test_label_tiles_pay_while_fewer_than_the_head():
-    assert label_tiles_pay(64, 2, 151936)          # 1024 head rows read instead of 151936
+    assert label_tiles_pay(64, 2, 151936)          # 64 runs: 1024 head rows instead of 151936
     assert not label_tiles_pay(256, 128, 151936)   # 262144 rows of tiles: stream it instead
     assert not label_tiles_pay(64, 128, 49152)
+
+
+def test_label_runs_number_consecutive_rows_with_the_same_labels():
+    labels = jnp.asarray([[5, 9], [5, 9], [5, 8], [5, 9], [5, 9], [0, 0], [7, 7]], jnp.int32)
+    assert label_runs(labels, 7).tolist() == [0, 0, 1, 2, 2, 3, 4]
+    assert label_runs(labels, 4).tolist() == [0, 0, 1, 2, 2, 2, 2]  # padding stays in the last
+
+
+@pytest.mark.parametrize("rows, n_labels, run_rows, row_block", [
+    (40, 20, 7, 256),    # 6 runs x 20 labels: 15 chunks, more labels than a chunk has tiles
+    (300, 2, 1, 128),    # every row its own run, over three row blocks (4800 tiles' rows)
+    (64, 3, 64, 256),    # one run: one chunk
+])
+def test_label_tiles_over_many_runs_and_chunks(rows, n_labels, run_rows, row_block):
+    rng = np.random.default_rng(rows)
+    hidden, norm, head, _ = inputs(rng, rows, n_labels, 8192, jnp.float32)
+    labels = rng.integers(0, 8192, (rows, n_labels))
+    labels[-1, 0] = 8191  # in the head's last tile
+    labels = jnp.asarray(labels[np.arange(rows) // run_rows * run_rows], jnp.int32)
+    assert label_tiles_pay(-(-rows // run_rows), n_labels, 8192)  # not the streamed kernel
+    kw = dict(eps=1e-6, with_logsumexp=False, softcap=4.0)
+    want = final_norm_label_gather_reference(hidden, norm, head, labels, **kw)[0]
+    got = final_norm_label_gather(hidden, norm, head, labels, **kw, max_label_rows=row_block,
+                                  interpret=pltpu.InterpretParams())[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def shapes(rows, vocab, width, n_labels=2, dtype=jnp.bfloat16):

@@ -102,16 +102,17 @@ def test_a_loop_with_a_runtime_bound_counts_as_the_caller_says():
 
 
 def test_label_gather_schedules_loop_over_labels_and_size_their_dmas():
-    """Labels only: one loop with a runtime bound (the row's labels), each trip a DMA of one
-    tile of 8 head rows per row of the block. Streamed over a vocabulary that ends in a partial
-    tile: that tile's DMA has a runtime size, and the estimate asks for the step's bytes."""
+    """Labels only: the loops that start a chunk's copies have a runtime bound (the chunk's
+    (run, label) pairs), each trip a DMA of one tile of 8 head rows. Streamed over a vocabulary
+    that ends in a partial tile: that tile's DMA has a runtime size, and the estimate asks for
+    the step's bytes."""
     hidden = 256
     cases = [dict(mode=m, rows=16, vocab=5000, hidden=hidden, labels=2)
              for m in ("labels_only", "streamed_logsumexp")]
     rows, streamed = compile_schedules("profiling.bench_label_gather:kernel_case", cases)
     s = rows["kernels"]["label_gather_rows"]
-    (loop,) = [loop for loop in s.inner_loops if loop[1] is None and loop[2]]
-    assert loop[2] == 8 * 8 * hidden * 2
+    copying = [loop for loop in s.inner_loops if loop[2]]
+    assert copying and all(trips is None and dma == 8 * hidden * 2 for _, trips, dma in copying)
     s = streamed["kernels"]["label_gather_streamed"]
     assert s.step_unsized_dmas > 0
     with pytest.raises(ValueError, match="runtime size"):
