@@ -29,10 +29,11 @@ class BlockSizes:
 
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
-# 256/256 (estimated from the compiled schedule, a model): the kernel alone takes 11 / 40 / 184
-# us on 10 / 64 / 256 items and 462 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
-# 16), against 13 / 73 / 327 / 601 us at 128/512; the whole forward is as fast or faster in 5
-# of 6 (model, bucket) pairs, at most 2% slower (README, "Estimated on v6e").
+# 256/256 (estimated from the compiled schedule, a model): the kernel alone takes 9 / 31 / 145
+# us on 10 / 64 / 256 items and 360 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
+# 16), against 11 / 47 / 185 / 357 us at 512/256 and 11 / 48 / 224 / 367 us at 256/512; the
+# whole forward is as fast or faster than at 128/512 in 5 of 6 (model, bucket) pairs, at most
+# 2% slower (README, "Estimated on v6e").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
 # loop test read back by the host, whatever its size, so steps there are few and large.
 _DEFAULT_BLOCKS = {"TPU v6 lite": (256, 256), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
