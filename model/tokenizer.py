@@ -23,6 +23,11 @@ class TextTokenizer:
         """Token ids of a piece of a prompt: no BOS, no EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of a text with what the tokenizer's post-processor adds (HF's
+        `tokenizer(text)`): how a model card may tokenize part of a prompt."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 

@@ -20,6 +20,14 @@ from runtime.model_runner import ModelRunner
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
 from runtime.pool_size import DeviceMemory, kv_pool_pages
 from runtime.request import ScoreRequest, check_token_range, parse_score_request
+from runtime.rerank import (
+    QWEN3_RERANKER,
+    Reranker,
+    RerankResult,
+    load_template,
+    ranking,
+    relevance,
+)
 from runtime.router import Router
 from runtime.scheduler import Scheduler
 
@@ -52,6 +60,7 @@ class Engine:
                 runner.warm_up()
         self.schedulers = [Scheduler(r, engine_cfg.prefix_cache) for r in runners]
         self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
+        self.reranker = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -95,6 +104,26 @@ class Engine:
         body = dict(query=query, items=items, label_token_ids=label_token_ids,
                     apply_softmax=apply_softmax, item_first=item_first)
         return self.score_request(parse_score_request(body, not self.cfg.is_classifier))
+
+    def rerank(self, query: str, documents: list[str], instruct: str | None = None,
+               top_n: int | None = None, max_doc_tokens: int | None = None) -> RerankResult:
+        """The documents by relevance to `query`, most relevant first: one multi-item pass
+        of the rerank template's prompts (runtime.rerank)."""
+        if self.reranker is None:
+            raise ScoreError("reranking is off: this model's vocabulary lacks the rerank "
+                             "template's labels (--rerank-template)")
+        packed = self.reranker.pack(query, documents, instruct, max_doc_tokens)
+        for k, item in enumerate(packed.items):
+            n = len(packed.query) + len(item)
+            if n > self.max_prompt_tokens:
+                raise ScoreError(f"documents[{k}] makes a prompt of {n} tokens, more than the "
+                                 f"maximum of {self.max_prompt_tokens}")
+        if not documents:
+            return RerankResult([], 0)
+        scores = self.score(packed.query, packed.items, self.reranker.label_ids or None,
+                            apply_softmax=not self.cfg.is_classifier)
+        return RerankResult(ranking([relevance(s, self.cfg.is_classifier)
+                                     for s in scores.scores], top_n), scores.prompt_tokens)
 
     def score_request(self, req: ScoreRequest) -> ScoreResult:
         return self.submit(req).result()
@@ -166,3 +195,21 @@ class Engine:
                              ec.max_rows)
         return [Unit(job, multi_item_sequence(head, [items[k] for k in c]), list(c))
                 for c in chunks]
+
+
+def _reranker(name: str, tokenizer: TextTokenizer, cfg: ModelConfig) -> Reranker | None:
+    """The rerank template named, or by default the built-in one where this vocabulary holds
+    its labels (a classifier of one or two classes needs none)."""
+    if cfg.is_classifier and cfg.num_labels > 2:
+        if name:
+            raise ValueError(f"--rerank-template: a classifier of {cfg.num_labels} classes "
+                             "cannot rerank (one or two are needed)")
+        return None
+    try:
+        return Reranker(load_template(name or QWEN3_RERANKER), tokenizer,
+                        with_labels=not cfg.is_classifier)
+    except ValueError as e:
+        if name:
+            raise
+        logging.info("reranking is off: %s", e)
+        return None

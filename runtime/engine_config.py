@@ -27,6 +27,8 @@ class EngineConfig:
     kv_block: int = 0
     tp_size: int = 1                # devices per replica: one tensor-parallel mesh
     dp_size: int = 1                # replicas, each on its own devices
+    rerank_template: str = ""       # a built-in name or a JSON file; "": Qwen3-Reranker's,
+    #                                 where the vocabulary holds its labels
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
