@@ -113,7 +113,9 @@ class Reranker:
 
     def prompt(self, query: str, document: str, instruct: str | None = None) -> list[int]:
         """The reference: the model card's tokens, prefix + tokenizer(body) + suffix."""
-        before, after = self.template.around_document(query, instruct)
+        return self._prompt(*self.template.around_document(query, instruct), document)
+
+    def _prompt(self, before: str, after: str, document: str) -> list[int]:
         body = self.tokenizer.encode_with_specials(before + document + after)
         return self._prefix + body + self._suffix
 
@@ -124,12 +126,12 @@ class Reranker:
         if max_doc_tokens is not None:
             documents = [self.tokenizer.decode(self.tokenizer.encode(d)[:max_doc_tokens])
                          for d in documents]
-        prompts = [self.prompt(query, d, instruct) for d in documents]
-        if not prompts:
+        if not documents:
             return PackedDocuments([], [])
+        before, after = self.template.around_document(query, instruct)
+        prompts = [self._prompt(before, after, d) for d in documents]
         # The prompt before the document, less its last token, which the document may merge
         # with (": " + "The" is ":", " The"): the same query whatever the documents.
-        before = self.template.around_document(query, instruct)[0]
         shared = len(self._prefix) + len(self.tokenizer.encode_with_specials(before)) - 1
         shared = min([shared] + [_common_length(prompts[0], p) for p in prompts])
         return PackedDocuments(prompts[0][:shared], [p[shared:] for p in prompts])
