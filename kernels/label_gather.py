@@ -5,10 +5,15 @@
   label_ids  [R, K]   int32, runtime data (padded to a bucket), never static
 returns label logits [R, K] float32 and, with `with_logsumexp`, logsumexp [R] float32.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kernels.rms_norm import rms_norm
+
+# On CPU, 1 row reads the head in about half the time of a 16-row block, 4 rows in 70%.
+TAIL_BLOCKS = (1, 4)
 
 
 def check_shapes(hidden, norm_weight, head, label_ids) -> None:
@@ -53,8 +58,9 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
                                 row_block: int = 16, logit_scale: float = 1.0,
                                 softcap: float | None = None):
     """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
-    row reads the whole head, `row_block` rows at a time, so that padded rows cost nothing.
-    Rows from `num_rows` on are zero. Every label is computed (`num_labels` is not used)."""
+    row reads the whole head, `row_block` rows at a time and the last few rows in a smaller
+    block (`TAIL_BLOCKS`), so that padded rows cost little. Rows past the last block are zero.
+    Every label is computed (`num_labels` is not used)."""
     del num_labels
     check_shapes(hidden, norm_weight, head, label_ids)
     kw = dict(eps=eps, with_logsumexp=with_logsumexp, logit_scale=logit_scale, softcap=softcap)
@@ -65,16 +71,21 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
     pad = -r % row_block
     hidden, label_ids = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(label_ids, ((0, pad), (0, 0)))
 
-    def block(i, out):
-        rows = (i * row_block, 0)
+    def block(start, size, out):
+        rows = (start, 0)
         logits, lse = final_norm_label_gather_reference(
-            jax.lax.dynamic_slice(hidden, rows, (row_block, hidden.shape[1])), norm_weight, head,
-            jax.lax.dynamic_slice(label_ids, rows, (row_block, k)), **kw)
-        lse = jnp.zeros(row_block, jnp.float32) if lse is None else lse
+            jax.lax.dynamic_slice(hidden, rows, (size, hidden.shape[1])), norm_weight, head,
+            jax.lax.dynamic_slice(label_ids, rows, (size, k)), **kw)
         return (jax.lax.dynamic_update_slice(out[0], logits, rows),
                 jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
 
-    n_blocks = (jnp.asarray(num_rows, jnp.int32) + row_block - 1) // row_block
+    num_rows = jnp.asarray(num_rows, jnp.int32)
+    full = num_rows // row_block
     out = (jnp.zeros((r + pad, k), jnp.float32), jnp.zeros(r + pad, jnp.float32))
-    logits, lse = jax.lax.fori_loop(0, n_blocks, block, out)
-    return logits[:r], lse[:r] if with_logsumexp else None
+    out = jax.lax.fori_loop(0, full, lambda i, out: block(i * row_block, row_block, out), out)
+    sizes = sorted({s for s in TAIL_BLOCKS if s < row_block} | {row_block})
+    tail, start = num_rows - full * row_block, full * row_block
+    branches = [lambda out: out] + [functools.partial(block, start, s) for s in sizes]
+    which = sum((tail > s).astype(jnp.int32) for s in [0, *sizes[:-1]])
+    logits, lse = jax.lax.switch(which, branches, out)
+    return logits[:r], lse[:r]

@@ -3,7 +3,7 @@ v6e roofline of that work.
 
 python -m profiling.bench_forward [--model-path P] [--dtype float32] [--max-prefill-tokens 2048]
     [--buckets 16,256,2048] [--kv-cache-tokens N] [--with-logsumexp] [--[no]estimate]
-    [--repeats 3] [--trace-dir D] [--out fwd.json]
+    [--repeats 3] [--reference-matmul 4096] [--trace-dir D] [--out fwd.json]
 Each bucket's batch is filled with SGLang-shaped sequences (a 120-token query, 10 items of 18
 tokens, 2 labels; the last sequence shorter) within the engine's sequence and row budgets, token
 ids from seed 0. The prefix cache is not involved: every token is computed.
@@ -17,7 +17,7 @@ Per bucket it also reports:
 - host work: building the batch (plan, page tables) and what ModelRunner.run adds around the
   program's execution (dispatch, transfers, result decoding);
 - the yardstick: the time the forward's dense matmuls (projections, MLP, the output head's
-  rows) take at the matmul rate measured in the same run (one 4096^3 float32 matmul);
+  rows) take at the matmul rate of one 4096^3 float32 matmul, timed in turn with the forward;
 - with --estimate: the same batch on one v6e chip in bfloat16, estimated from the compiled
   program's schedule (profiling.forward_estimate: a model, no TPU ran it), per level of the
   program (outside the layer loop, one layer), beside the roofline of its work.
@@ -36,7 +36,7 @@ from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from profiling.forward_estimate import forward_estimate, v6e_batch
 from profiling.roofline import roofline
-from profiling.timing import WALL_CLOCK, subdir, wall_time, write_json
+from profiling.timing import WALL_CLOCK, interleaved_wall_times, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import pages_needed
@@ -63,6 +63,7 @@ def define_flags() -> None:
     flags.DEFINE_bool("estimate", True, "add the v6e estimate of the same batch in bfloat16, "
                       "from the compiled program's schedule (profiling.forward_estimate)")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per bucket here")
+    flags.DEFINE_integer("reference_matmul", 4096, "n of the yardstick's n^3 float32 matmul")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -111,10 +112,11 @@ def dense_flops(cfg: ModelConfig, tokens: int, rows: int, with_lse: bool) -> int
     return cfg.num_layers * layer_flops(cfg, tokens) + 2 * rows * cfg.hidden_size * head
 
 
-def matmul_rate(n: int = 4096, repeats: int = 3) -> float:
-    """FLOP/s of one large float32 matmul in JAX on the default device."""
+def reference_matmul(n: int = 4096):
+    """The yardstick's matmul: one n^3 float32 matmul in JAX on the default device, and its
+    FLOPs."""
     a = jnp.ones((n, n), jnp.float32)
-    return 2 * n ** 3 / wall_time(jax.jit(jnp.matmul), (a, a), repeats)
+    return (jax.jit(jnp.matmul), (a, a)), 2 * n ** 3
 
 
 def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
@@ -174,22 +176,25 @@ def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
 
 
 def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
-        trace_dir: str | None = None, estimate: bool = False) -> dict:
+        trace_dir: str | None = None, estimate: bool = False, matmul_n: int = 4096) -> dict:
     runner, rows, cfg = engine.runner, [], engine.cfg
     itemsize = np.dtype(engine.engine_cfg.dtype).itemsize
-    rate = matmul_rate()
+    matmul, matmul_flops = reference_matmul(matmul_n)
     for bucket in buckets:
         entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
         batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
                             runner.sizes)
-        seconds = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats)
+        forward = (lambda: runner.run(batch, shape, with_lse), ())
+        seconds, matmul_s = interleaved_wall_times([forward, matmul], repeats)
+        rate = matmul_flops / matmul_s
         split = time_split(engine, batch, shape, with_lse, repeats,
                            subdir(trace_dir, f"bucket_{bucket}"))
         tokens = sum(e.new_tokens for e in entries)
         dense_s = dense_flops(cfg, tokens, len(labels), with_lse) / rate
         rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(entries),
                      "rows": len(labels), "tokens_per_s": tokens / seconds,
-                     "dense_matmul_s": dense_s, "vs_dense_matmul": seconds / dense_s,
+                     "matmul_flops_per_s": rate, "dense_matmul_s": dense_s,
+                     "vs_dense_matmul": seconds / dense_s,
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
@@ -200,7 +205,7 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
             "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
             "kv_pool_tokens": runner.num_pages * runner.buckets.page_size,
             "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,
-            "matmul_flops_per_s": rate, "timing": WALL_CLOCK + " of ModelRunner.run",
+            "timing": WALL_CLOCK + " of ModelRunner.run",
             "split": "op self-time per scope in a traced run, per forward "
                      "(profiling.trace_breakdown)", "buckets": rows}
 
@@ -214,18 +219,19 @@ def main(argv) -> None:
         warmup=False))
     buckets = [int(b) for b in FLAGS.buckets] or list(engine.runner.buckets.token_sizes())
     result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir,
-                 FLAGS.estimate)
+                 FLAGS.estimate, FLAGS.reference_matmul)
     engine.close()
     print(f"{result['model']} {result['dtype']} on {result['device']} "
           f"({result['attention_backend']} attention, KV pool of {result['kv_pool_tokens']} "
           f"tokens); timing: {result['timing']}")
-    print(f"matmul rate {result['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; split: op ms per "
-          f"forward")
+    print("split: op ms per forward; matmul rate: the reference matmul's, timed in turn with "
+          "the forward")
     for r in result["buckets"]:
         split = " ".join(f"{k} {v * 1e3:.1f}" for k, v in r["split_s"].items())
         print(f"bucket {r['bucket']:5d}: {r['tokens']:5d} tokens {r['rows']:3d} rows "
               f"{r['measured_s'] * 1e3:9.1f} ms {r['tokens_per_s']:8.0f} tok/s "
-              f"{r['vs_dense_matmul']:5.2f}x dense matmuls; build_batch "
+              f"{r['vs_dense_matmul']:5.2f}x dense matmuls at "
+              f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; build_batch "
               f"{r['build_batch_s'] * 1e3:.1f} ms; {r['flops'] / 1e9:8.1f} GFLOP; v6e bound "
               f"{r['v6e_roofline_s'] * 1e6:8.1f} us\n    split: {split}")
         if r["v6e_estimate"]:

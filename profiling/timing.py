@@ -27,6 +27,20 @@ def wall_time(fn, args=(), repeats: int = 3, trace_dir: str | None = None) -> fl
     return statistics.median(times)
 
 
+def interleaved_wall_times(calls, repeats: int = 3) -> list[float]:
+    """Median seconds per call of each `(fn, args)` in `calls`, timed in turn (one call of each
+    per round, after a warm-up round), so that a shared machine's slow spells fall on all."""
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for (fn, args), out in zip(calls, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def tracing(trace_dir: str | None):
     """A jax.profiler trace into `trace_dir` (for TensorBoard), or nothing when None."""
     return jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext()

@@ -13,13 +13,31 @@ import jax
 
 from profiling.timing import trace_events
 
-_INSTRUCTION = re.compile(r'%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = ')
+_OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _EXECUTE = "ThunkExecutor::Execute (wait for completion)"
 
 
 def op_scopes(compiled: jax.stages.Compiled) -> dict[str, str]:
-    """HLO instruction name -> its op_name metadata (the jax named-scope path)."""
-    return {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(compiled.as_text())}
+    """HLO instruction name -> its op_name metadata (the jax named-scope path). An instruction
+    the compiler made without one (a dot rewritten for one row) takes that of the nearest named
+    instruction of its computation."""
+    scopes, unnamed, last = {}, [], None
+    for line in compiled.as_text().splitlines():
+        if line.endswith("{") or line.strip() == "}":  # a computation starts or ends
+            unnamed, last = [], None
+            continue
+        if not (m := _INSTRUCTION.match(line)):
+            continue
+        if (op := _OP_NAME.search(line)) is None:
+            unnamed.append(m.group(1))
+            if last is not None:
+                scopes[m.group(1)] = last
+            continue
+        last = scopes[m.group(1)] = op.group(1)
+        scopes.update((name, last) for name in unnamed if name not in scopes)
+        unnamed = []
+    return scopes
 
 
 def op_events(trace_dir: str) -> list[dict]:
