@@ -3,7 +3,9 @@ model hub can be reached, and for the tests' tiny models.
 
 python -m profiling.random_checkpoint --model Qwen3-0.6B --out DIR [--seed 0]
 
-Writes config.json, model.safetensors (float32) and a small byte-level BPE tokenizer.json.
+Writes config.json, model.safetensors (float32) and a small byte-level BPE tokenizer.json
+(with ChatML's <|im_start|> and <|im_end|> special, and "yes" and "no" single tokens, so that
+the built-in rerank template fits it).
 Weights are normal with standard deviation `std` (embeddings 5x, output heads 2.5x), norms
 near 1: activations stay in range through many layers, in bfloat16 too.
 """
@@ -22,7 +24,9 @@ from runtime.cli_flags import parse_flags
 FLAGS = flags.FLAGS
 CORPUS = ["The capital of France is Paris.", "I pledge allegiance to the flag.",
           "Tokyo is a city in Japan.", "Answer Yes or No for each option:",
-          "scoring many items with one query", "héllo wörld, 世界 🙂 123 456"] * 4
+          "scoring many items with one query", "héllo wörld, 世界 🙂 123 456",
+          *["yes", "no"] * 3] * 4
+SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
 
@@ -91,7 +95,7 @@ def write_tokenizer(path: str, bos: bool) -> None:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)

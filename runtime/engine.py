@@ -19,7 +19,13 @@ from runtime.job import Job, ScoreResult, Unit
 from runtime.model_runner import ModelRunner
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
 from runtime.pool_size import DeviceMemory, kv_pool_pages
-from runtime.request import ScoreRequest, check_token_range, parse_score_request
+from runtime.request import (
+    RerankRequest,
+    ScoreRequest,
+    check_token_range,
+    parse_rerank_request,
+    parse_score_request,
+)
 from runtime.rerank import (
     QWEN3_RERANKER,
     Reranker,
@@ -37,6 +43,7 @@ class Engine:
                  engine_cfg: EngineConfig = EngineConfig()):
         """`params` on the host; one replica (runner and scheduler) per device group."""
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
+        self.reranker, self.rerank_off = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
         multihost = jax.process_count() > 1
         if multihost and engine_cfg.dp_size > 1:
             raise ValueError("--dp-size > 1 across hosts is not supported: run one server per "
@@ -60,7 +67,6 @@ class Engine:
                 runner.warm_up()
         self.schedulers = [Scheduler(r, engine_cfg.prefix_cache) for r in runners]
         self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
-        self.reranker = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -106,24 +112,34 @@ class Engine:
         return self.score_request(parse_score_request(body, not self.cfg.is_classifier))
 
     def rerank(self, query: str, documents: list[str], instruct: str | None = None,
-               top_n: int | None = None, max_doc_tokens: int | None = None) -> RerankResult:
-        """The documents by relevance to `query`, most relevant first: one multi-item pass
-        of the rerank template's prompts (runtime.rerank)."""
+               top_n: int | None = None, max_tokens_per_doc: int | None = None) -> RerankResult:
+        body = dict(query=query, documents=documents, instruct=instruct, top_n=top_n,
+                    max_tokens_per_doc=max_tokens_per_doc)
+        return self.submit_rerank(parse_rerank_request(body)).result()
+
+    def submit_rerank(self, req: RerankRequest) -> concurrent.futures.Future:
+        """Queues the documents as one multi-item request of the rerank template's prompts
+        (runtime.rerank); its future gives a RerankResult, most relevant first. Cancelling it
+        drops the waiting work. Bad requests raise here."""
         if self.reranker is None:
-            raise ScoreError("reranking is off: this model's vocabulary lacks the rerank "
-                             "template's labels (--rerank-template)")
-        packed = self.reranker.pack(query, documents, instruct, max_doc_tokens)
+            raise ScoreError(f"reranking is off: {self.rerank_off}", status=501)
+        packed = self.reranker.pack(req.query, req.documents, req.instruct,
+                                    req.max_tokens_per_doc)
         for k, item in enumerate(packed.items):
             n = len(packed.query) + len(item)
             if n > self.max_prompt_tokens:
                 raise ScoreError(f"documents[{k}] makes a prompt of {n} tokens, more than the "
                                  f"maximum of {self.max_prompt_tokens}")
-        if not documents:
-            return RerankResult([], 0)
-        scores = self.score(packed.query, packed.items, self.reranker.label_ids or None,
-                            apply_softmax=not self.cfg.is_classifier)
-        return RerankResult(ranking([relevance(s, self.cfg.is_classifier)
-                                     for s in scores.scores], top_n), scores.prompt_tokens)
+        unique = {}  # a document's prompt -> its row: equal documents are scored once, alike
+        rows = [unique.setdefault(tuple(item), len(unique)) for item in packed.items]
+        scored = self.submit(ScoreRequest(packed.query, [list(item) for item in unique],
+                                          self.reranker.label_ids,
+                                          apply_softmax=not self.cfg.is_classifier,
+                                          model=req.model))
+        relevances = lambda result: [relevance(result.scores[row],  # noqa: E731
+                                               self.cfg.is_classifier) for row in rows]
+        return _then(scored, lambda result: RerankResult(ranking(relevances(result), req.top_n),
+                                                         result.prompt_tokens))
 
     def score_request(self, req: ScoreRequest) -> ScoreResult:
         return self.submit(req).result()
@@ -197,19 +213,41 @@ class Engine:
                 for c in chunks]
 
 
-def _reranker(name: str, tokenizer: TextTokenizer, cfg: ModelConfig) -> Reranker | None:
+def _reranker(name: str, tokenizer: TextTokenizer,
+              cfg: ModelConfig) -> tuple[Reranker | None, str]:
     """The rerank template named, or by default the built-in one where this vocabulary holds
-    its labels (a classifier of one or two classes needs none)."""
+    its labels (a classifier of one or two classes needs none); when there is none, why."""
     if cfg.is_classifier and cfg.num_labels > 2:
+        why = f"a classifier of {cfg.num_labels} classes cannot rerank (one or two are needed)"
         if name:
-            raise ValueError(f"--rerank-template: a classifier of {cfg.num_labels} classes "
-                             "cannot rerank (one or two are needed)")
-        return None
+            raise ValueError(f"--rerank-template: {why}")
+        return None, why
     try:
         return Reranker(load_template(name or QWEN3_RERANKER), tokenizer,
-                        with_labels=not cfg.is_classifier)
+                        with_labels=not cfg.is_classifier), ""
     except ValueError as e:
         if name:
             raise
-        logging.info("reranking is off: %s", e)
-        return None
+        why = f"{e} (--rerank-template names another template)"
+        logging.info("reranking is off: %s", why)
+        return None, why
+
+
+def _then(source: concurrent.futures.Future, fn) -> concurrent.futures.Future:
+    """A future of `fn(source's result)`, failing as `source` fails; cancelling it cancels
+    `source`."""
+    out = concurrent.futures.Future()
+    out.add_done_callback(lambda f: f.cancelled() and source.cancel())
+
+    def settle(f):
+        try:
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(fn(f.result()))
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled meanwhile: nobody waits for it
+    source.add_done_callback(settle)
+    return out

@@ -3,7 +3,8 @@ class ScoreError(Exception):
 
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
              408: "RequestTimeout", 409: "Conflict", 413: "RequestEntityTooLarge",
-             500: "InternalServerError", 503: "ServiceUnavailable"}
+             500: "InternalServerError", 501: "NotImplementedError",
+             503: "ServiceUnavailable"}
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)

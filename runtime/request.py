@@ -1,5 +1,6 @@
-"""Validation of a /v1/score request body (SPEC §2) into a typed request."""
+"""Validation of a /v1/score (SPEC §2) or /v1/rerank request body into a typed request."""
 import dataclasses
+import json
 
 from runtime.errors import ScoreError
 
@@ -42,8 +43,8 @@ def _items(raw) -> list:
     raise ScoreError("items must be all strings or all token-id lists")
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if not isinstance(value, bool):
         raise ScoreError(f"{name} must be a boolean")
     return value
@@ -69,11 +70,60 @@ def parse_score_request(body, needs_labels: bool = True) -> ScoreRequest:
     labels = _token_list(labels, "label_token_ids")
     if needs_labels and not labels:
         raise ScoreError("label_token_ids must not be empty")
+    return ScoreRequest(query, items, labels, _flag(body, "apply_softmax"),
+                        _flag(body, "item_first"), _model(body))
+
+
+@dataclasses.dataclass(frozen=True)
+class RerankRequest:
+    query: str
+    documents: list[str]
+    top_n: int | None = None             # keep the most relevant top_n; None: all
+    return_documents: bool = True
+    instruct: str | None = None          # None: the rerank template's default
+    max_tokens_per_doc: int | None = None
+    model: str = "default"
+
+
+def parse_rerank_request(body) -> RerankRequest:
+    """Cohere's and Jina's rerank body (documents as strings or {"text": ...}), with SGLang's
+    `instruct`."""
+    if not isinstance(body, dict):
+        raise ScoreError("request body must be a JSON object")
+    for field in ("query", "documents"):
+        if body.get(field) is None:
+            raise ScoreError(f"missing required field '{field}'")
+    if not isinstance(body["query"], str):
+        raise ScoreError("query must be a string")
+    if not isinstance(body["documents"], list):
+        raise ScoreError("documents must be a list of strings or of {\"text\": string} objects")
+    instruct = body.get("instruct")
+    if instruct is not None and not isinstance(instruct, str):
+        raise ScoreError("instruct must be a string")
+    return RerankRequest(body["query"], [_document(d, k) for k, d in enumerate(body["documents"])],
+                         _count(body, "top_n"), _flag(body, "return_documents", True), instruct,
+                         _count(body, "max_tokens_per_doc"), _model(body))
+
+
+def _document(doc, k: int) -> str:
+    text = doc.get("text") if isinstance(doc, dict) else doc
+    if not isinstance(text, str):
+        raise ScoreError(f"documents[{k}] must be a string or an object with a string 'text'")
+    return text
+
+
+def _count(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise ScoreError(f"{name} must be an integer >= 1, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _model(body: dict) -> str:
     model = body.get("model", "default")
     if not isinstance(model, str):
         raise ScoreError("model must be a string")
-    return ScoreRequest(query, items, labels, _flag(body, "apply_softmax"),
-                        _flag(body, "item_first"), model)
+    return model
 
 
 def check_token_range(ids: Tokens, vocab_size: int, what: str) -> None:

@@ -120,11 +120,11 @@ class Reranker:
         return self._prefix + body + self._suffix
 
     def pack(self, query: str, documents: list[str], instruct: str | None = None,
-             max_doc_tokens: int | None = None) -> PackedDocuments:
+             max_tokens_per_doc: int | None = None) -> PackedDocuments:
         """The documents' prompts as one multi-item query and an item each: query + item is
-        exactly `prompt` of the document (cut to `max_doc_tokens` tokens)."""
-        if max_doc_tokens is not None:
-            documents = [self.tokenizer.decode(self.tokenizer.encode(d)[:max_doc_tokens])
+        exactly `prompt` of the document (cut to `max_tokens_per_doc` tokens)."""
+        if max_tokens_per_doc is not None:
+            documents = [self.tokenizer.decode(self.tokenizer.encode(d)[:max_tokens_per_doc])
                          for d in documents]
         if not documents:
             return PackedDocuments([], [])

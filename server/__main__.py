@@ -29,6 +29,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_seqs", 64, "sequences in one forward pass")
     flags.DEFINE_integer("max_rows", 256, "scored items in one forward pass")
     flags.DEFINE_integer("max_labels", 64, "label_token_ids of one request")
+    flags.DEFINE_string("rerank_template", "", "the prompt /v1/rerank scores: a built-in "
+                        "template's name (qwen3-reranker) or a JSON file of prefix, body, "
+                        "suffix, labels and default_instruct; default: qwen3-reranker where "
+                        "the vocabulary holds its labels, else reranking is off")
     flags.DEFINE_integer("kv_cache_tokens", 0, "KV pool size in tokens; 0: --mem-fraction of "
                          "free accelerator memory (4 batches on CPU)")
     flags.DEFINE_float("mem_fraction", 0.8, "share of accelerator memory for params and KV")
@@ -72,7 +76,8 @@ def engine_config() -> EngineConfig:
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
         attention_backend=FLAGS.attention_backend, q_block=FLAGS.q_block,
-        kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size)
+        kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
+        rerank_template=FLAGS.rerank_template)
 
 
 def server_config() -> ServerConfig:

@@ -4,14 +4,16 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Callable
+import uuid
+from typing import Callable, NamedTuple
 
 import jax
 from absl import logging
 
 from runtime.engine import Engine
 from runtime.errors import ScoreError
-from runtime.request import parse_score_request
+from runtime.request import RerankRequest, parse_rerank_request, parse_score_request
+from runtime.rerank import RerankResult
 from server.http import (
     HttpError,
     Limits,
@@ -47,6 +49,14 @@ class ServerConfig:
 
 
 CLIENT_GONE = 499  # nginx's status for a client that closed before its answer
+RERANK_ROUTES = ("/v1/rerank", "/v2/rerank", "/rerank")  # vLLM's, Cohere's v2, Jina's
+
+
+class Answer(NamedTuple):
+    status: int
+    payload: dict | str | None
+    headers: list[str]
+    items: int = 0  # items or documents scored, for the metrics and the access log
 
 
 def _reject_constant(name: str):
@@ -73,7 +83,9 @@ class ScoreServer:
         self._busy = 0          # requests being answered, of any route
         self._closing = False
         self._connections: set[asyncio.Task] = set()
-        self._routes = {"/v1/score": ("POST", self._score), "/health": ("GET", self._health),
+        self._routes = {"/v1/score": ("POST", self._score),
+                        **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
+                        "/health": ("GET", self._health),
                         "/v1/models": ("GET", self._models),
                         "/get_model_info": ("GET", self._model_info),
                         "/metrics": ("GET", self._metrics),
@@ -129,7 +141,7 @@ class ScoreServer:
                 with jax.profiler.TraceAnnotation("http_request"):
                     answer = await self._dispatch(
                         req, lambda: reader.at_eof() or writer.is_closing())
-            if answer[0] == CLIENT_GONE:
+            if answer.status == CLIENT_GONE:
                 self._record(writer, req, start, CLIENT_GONE, 0)
                 return False
             keep_alive = req.keep_alive and not self._closing and not over_limit
@@ -140,13 +152,12 @@ class ScoreServer:
 
     async def _respond(self, writer, req: Request | None, start: float, answer,
                        keep_alive: bool) -> None:
-        status, payload, headers = answer
+        status, payload, headers, items = answer
         text = isinstance(payload, str)  # /metrics
         data = encode_response(status, payload.encode() if text else payload, keep_alive,
                                headers, "text/plain; version=0.0.4" if text else
                                "application/json", head_only=req is not None and
                                req.method == "HEAD")
-        items = len(payload.get("scores", ())) if isinstance(payload, dict) else 0
         self._record(writer, req, start, status, items)
         await send(writer, data, self.config.limits.send_timeout_s)
 
@@ -163,44 +174,57 @@ class ScoreServer:
                          method, path if path.isprintable() else ascii(path), status, items,
                          seconds * 1e3)
 
-    def _error(self, e: ScoreError):
+    def _error(self, e: ScoreError) -> Answer:
         headers = [f"Retry-After: {self.config.retry_after_s}"] if e.status == 503 else []
-        return e.status, error_body(e.message, e.status, e.type), headers
+        return Answer(e.status, error_body(e.message, e.status, e.type), headers)
 
-    async def _dispatch(self, req: Request, gone: Callable[[], bool]):
+    async def _dispatch(self, req: Request, gone: Callable[[], bool]) -> Answer:
         route = self._routes.get(req.path)
         try:
             if route is None:
                 raise ScoreError(f"no route {req.path}", status=404)
             allowed = ("GET", "HEAD") if route[0] == "GET" else (route[0],)
             if req.method not in allowed:
-                return 405, error_body(f"{req.path} allows only {' and '.join(allowed)}", 405,
-                                       ScoreError.TYPES[405]), [f"Allow: {', '.join(allowed)}"]
-            return 200, await route[1](req, gone), []
+                return Answer(405, error_body(f"{req.path} allows only {' and '.join(allowed)}",
+                                              405, ScoreError.TYPES[405]),
+                              [f"Allow: {', '.join(allowed)}"])
+            payload = await route[1](req, gone)
+            return Answer(200, *payload) if isinstance(payload, tuple) else Answer(200, payload, [])
         except ScoreError as e:
             return self._error(e)
         except ConnectionError:
-            return CLIENT_GONE, None, []
+            return Answer(CLIENT_GONE, None, [])
         except Exception as e:  # a bug: report it, keep serving
             logging.exception("error serving %s %s", req.method, req.path)
             return self._error(ScoreError(f"internal error: {e}", 500))
 
-    async def _score(self, req: Request, gone) -> dict:
+    async def _score(self, req: Request, gone) -> tuple[dict, list, int]:
         with jax.profiler.TraceAnnotation("parse_request"):
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
+        result = await self._queued(self.engine.submit, score_req, gone)
+        n = result.prompt_tokens
+        return {"scores": result.scores, "model": score_req.model, "object": "scoring",
+                "usage": {"prompt_tokens": n, "completion_tokens": 0,
+                          "total_tokens": n}}, [], len(result.scores)
+
+    async def _rerank(self, req: Request, gone) -> tuple[dict, list, int]:
+        with jax.profiler.TraceAnnotation("parse_request"):
+            rerank_req = parse_rerank_request(parse_json(req.body))
+        result = await self._queued(self.engine.submit_rerank, rerank_req, gone)
+        return rerank_response(rerank_req, result), [], len(rerank_req.documents)
+
+    async def _queued(self, submit, request, gone):
+        """`submit(request)`'s result, unless the server is saturated (503) or the client goes
+        away first (its work is dropped)."""
         if self._pending >= self.config.max_pending:
             raise ScoreError("server is saturated, retry later", status=503)
         self._pending += 1
         try:  # tokenizing runs off the event loop
-            future = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.submit, score_req)
-            result = await self._result_unless_gone(future, gone)
+            future = await asyncio.get_running_loop().run_in_executor(None, submit, request)
+            return await self._result_unless_gone(future, gone)
         finally:
             self._pending -= 1
-        n = result.prompt_tokens
-        return {"scores": result.scores, "model": score_req.model, "object": "scoring",
-                "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
     async def _result_unless_gone(self, future, gone):
         """The request's result; if its client disconnects first, its work is dropped."""
@@ -249,3 +273,13 @@ class ScoreServer:
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
                 "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}
+
+
+def rerank_response(req: RerankRequest, result: RerankResult) -> dict:
+    """Cohere's and Jina's response body: the results most relevant first."""
+    results = [{"index": k, "relevance_score": score,
+                **({"document": {"text": req.documents[k]}} if req.return_documents else {})}
+               for k, score in result.ranking]
+    n = result.prompt_tokens
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model, "results": results,
+            "usage": {"prompt_tokens": n, "total_tokens": n}}

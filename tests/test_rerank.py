@@ -1,6 +1,7 @@
 """Rerank templates, the packing of a query's documents into multi-item prompts, and
 `Engine.rerank`, on the embedded SmolLM2 (its ChatML tokenizer holds <|im_start|>, <|im_end|>,
 yes and no)."""
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -14,7 +15,7 @@ from model.config import ModelConfig
 from model.gguf_loader import gguf_tokenizer
 from model.loader import embedded_model_path
 from model.tokenizer import TextTokenizer
-from runtime.engine import Engine, _reranker
+from runtime.engine import Engine, _reranker, _then
 from runtime.engine_config import EngineConfig
 from runtime.errors import ScoreError
 from runtime.rerank import (
@@ -76,9 +77,9 @@ def test_fields_are_filled_in_one_pass(qwen3, tokenizer):
     assert "<Query>: q {doc} {instruct}\n<Document>: d {query}<|im_end|>" in text
 
 
-def test_documents_cut_to_max_doc_tokens(qwen3, tokenizer):
+def test_documents_cut_to_max_tokens_per_doc(qwen3, tokenizer):
     doc = "one two three four five six"
-    packed = qwen3.pack("q", [doc, "short"], max_doc_tokens=3)
+    packed = qwen3.pack("q", [doc, "short"], max_tokens_per_doc=3)
     assert packed.query + packed.items[0] == qwen3.prompt("q", "one two three")
     assert packed.query + packed.items[1] == qwen3.prompt("q", "short")
 
@@ -137,15 +138,19 @@ def test_the_default_template_is_off_where_the_vocabulary_lacks_its_labels(token
     words = TextTokenizer(tokenizers.Tokenizer(models.WordLevel({"a": 0, "?": 1},
                                                                 unk_token="?")))
     llama = ModelConfig("llama", 2, 8, 16, 1, 2, 1, 4, 1e4, 1e-5, 64)
-    assert _reranker("", words, llama) is None
+    reranker, why = _reranker("", words, llama)
+    assert reranker is None and "['yes', 'no'] are not tokens" in why
     with pytest.raises(ValueError, match="yes"):
         _reranker(QWEN3_RERANKER, words, llama)  # named: an error at start-up
-    assert _reranker("", tokenizer, llama).label_ids == [tokenizer.token_id("yes"),
-                                                         tokenizer.token_id("no")]
+    assert _reranker("", tokenizer, llama)[0].label_ids == [tokenizer.token_id("yes"),
+                                                            tokenizer.token_id("no")]
     classifier = dataclasses.replace(llama, num_labels=1)
-    assert _reranker("", words, classifier).label_ids == []  # scored by its class
+    assert _reranker("", words, classifier)[0].label_ids == []  # scored by its class
+    three = dataclasses.replace(llama, num_labels=3)
+    assert _reranker("", words, three) == (None, "a classifier of 3 classes cannot rerank "
+                                                 "(one or two are needed)")
     with pytest.raises(ValueError, match="3 classes"):
-        _reranker(QWEN3_RERANKER, words, dataclasses.replace(llama, num_labels=3))
+        _reranker(QWEN3_RERANKER, words, three)
 
 
 @pytest.fixture(scope="module")
@@ -178,5 +183,21 @@ def test_rerank_names_the_document_too_long_and_cuts_it_on_request(smollm):
     documents = ["short", "word " * 300]
     with pytest.raises(ScoreError, match=r"documents\[1\] makes a prompt of \d+ tokens"):
         smollm.rerank("q", documents)
-    assert len(smollm.rerank("q", documents, max_doc_tokens=50).ranking) == 2
+    assert len(smollm.rerank("q", documents, max_tokens_per_doc=50).ranking) == 2
     assert smollm.rerank("q", []).ranking == []
+
+
+def test_a_rerank_future_follows_its_score_future():
+    """Its result is mapped, its failure passed on, and cancelling it drops the scoring."""
+    source = concurrent.futures.Future()
+    out = _then(source, lambda x: x + 1)
+    source.set_result(1)
+    assert out.result() == 2
+    source = concurrent.futures.Future()
+    out = _then(source, lambda x: x)
+    source.set_exception(ScoreError("bad"))
+    with pytest.raises(ScoreError, match="bad"):
+        out.result()
+    source = concurrent.futures.Future()
+    _then(source, lambda x: x).cancel()
+    assert source.cancelled()

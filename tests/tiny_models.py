@@ -13,7 +13,8 @@ HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 64, 4, 2, 96, 2
 NUM_LABELS = 3
 
 
-def hf_config(family: str, vocab: int = VOCAB) -> dict:
+def hf_config(family: str, vocab: int = VOCAB, **overrides) -> dict:
+    """config.json of a tiny `family` model; `overrides` replace its fields."""
     spec = FAMILIES[family]
     cfg = {"architectures": [spec["arch"]], "vocab_size": vocab, "hidden_size": HIDDEN,
            "intermediate_size": INTER, "num_hidden_layers": LAYERS,
@@ -24,10 +25,11 @@ def hf_config(family: str, vocab: int = VOCAB) -> dict:
         cfg["head_dim"] = spec["head_dim"]
     if spec["arch"].endswith("SequenceClassification"):
         cfg["num_labels"] = NUM_LABELS
-    return cfg
+    return {**cfg, **overrides}
 
 
-def write_checkpoint(model_dir: str, family: str, seed: int = 0, vocab: int = VOCAB) -> str:
+def write_checkpoint(model_dir: str, family: str, seed: int = 0, vocab: int = VOCAB,
+                     **overrides) -> str:
     spec = FAMILIES[family]
-    return random_checkpoint.write_checkpoint(model_dir, hf_config(family, vocab), seed,
-                                              shards=spec["shards"], bos=spec["bos"])
+    return random_checkpoint.write_checkpoint(model_dir, hf_config(family, vocab, **overrides),
+                                              seed, shards=spec["shards"], bos=spec["bos"])
