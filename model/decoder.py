@@ -61,10 +61,17 @@ def _layer_dot(lp: dict, matrices: tuple | None, layer) -> Dot:
         return jnp.dot(x, lp[name], preferred_element_type=jnp.float32)
 
     def per_layer(x, name):
-        branches = [functools.partial(_dot_nth, n) for n in range(len(matrices))]
-        return jax.lax.switch(layer, branches, x, tuple(m[name] for m in matrices))
+        return jax.lax.switch(layer, _dot_branches(len(matrices)), x,
+                              tuple(m[name] for m in matrices))
 
     return stacked if matrices is None else per_layer
+
+
+@functools.cache
+def _dot_branches(num_layers: int) -> tuple:
+    """The same branch functions every time: JAX reuses a branch's trace for the same function
+    and operand shapes (each projection of a program, and the programs of one bucket)."""
+    return tuple(functools.partial(_dot_nth, n) for n in range(num_layers))
 
 
 def _dot_nth(n: int, x, weights: tuple):

@@ -1,9 +1,10 @@
 """One entry point for every model source: HF directory, GGUF file, or the embedded default."""
 import importlib.util
+import json
 import os
 
 import jax.numpy as jnp
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 from model.config import ModelConfig, load_hf_config
 from model.gguf_loader import gguf_config, load_gguf_model
@@ -45,3 +46,17 @@ def load_config(path: str | None) -> ModelConfig:
     """The model's config alone, without reading its weights."""
     path = path or embedded_model_path()
     return gguf_config(GGUFReader(path)) if _is_gguf(path) else load_hf_config(path)
+
+
+def checkpoint_dtype(path: str | None) -> str:
+    """The one of DTYPES the checkpoint's weights fit: float32 where they are stored in it,
+    else bfloat16 (bfloat16 or float16 weights, GGUF's quantized blocks). An HF config that
+    does not say is float32."""
+    path = path or embedded_model_path()
+    if _is_gguf(path):
+        stored = {t.tensor_type for t in GGUFReader(path).tensors}
+        return "float32" if stored <= {GGMLQuantizationType.F32} else "bfloat16"
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    return "float32" if stored == "float32" else "bfloat16"

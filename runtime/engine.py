@@ -1,6 +1,7 @@
 """Scoring engine (SPEC §3-§5): validate, tokenize and pack a request into units of work for
 a replica's scheduler, which batches them with other requests' units on its devices."""
 import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 
@@ -42,6 +43,9 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer: TextTokenizer,
                  engine_cfg: EngineConfig = EngineConfig()):
         """`params` on the host; one replica (runner and scheduler) per device group."""
+        if engine_cfg.dtype == "auto":  # the params' own
+            engine_cfg = dataclasses.replace(
+                engine_cfg, dtype=jax.tree.leaves(params)[0].dtype.name)
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
         self.reranker, self.rerank_off = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
         multihost = jax.process_count() > 1
@@ -77,8 +81,17 @@ class Engine:
     def runner(self) -> ModelRunner:
         return self.schedulers[0].runner
 
+    def describe(self) -> str:
+        """One line for the start-up log: model, dtype, kernels, devices, KV pool."""
+        runner, ec = self.runner, self.engine_cfg
+        device = runner.mesh.devices.flat[0]
+        return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} attention, {ec.dp_size} "
+                f"replica(s) of {ec.tp_size} {device.platform} device(s) ({device.device_kind}),"
+                f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica")
+
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):
+        engine_cfg = engine_cfg.resolve_dtype(model_path)
         cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype)
         return cls(cfg, params, tokenizer, engine_cfg)
 

@@ -6,13 +6,13 @@ import jax
 from kernels.attention_plan import BlockSizes, default_block_sizes
 from model.config import ModelConfig
 from model.decoder import ATTENTION_BACKENDS
-from model.loader import DTYPES
+from model.loader import DTYPES, checkpoint_dtype
 from runtime.buckets import ShapeBuckets, pages_needed
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
+    dtype: str = "float32"          # or bfloat16; "auto": resolved by resolve_dtype
     page_size: int = 16
     max_prefill_tokens: int = 8192  # new tokens in one forward
     max_seqs: int = 64              # sequences in one forward
@@ -31,8 +31,9 @@ class EngineConfig:
     #                                 where the vocabulary holds its labels
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got "
+                             f"{self.dtype!r}")
         if self.attention_backend not in ("auto",) + ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}")
         positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",
@@ -46,6 +47,14 @@ class EngineConfig:
         if self.kv_cache_tokens and self.kv_cache_tokens < self.min_kv_tokens:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one batch: "
                              f"at least {self.min_kv_tokens} are needed")
+
+    def resolve_dtype(self, model_path: str | None) -> "EngineConfig":
+        """With dtype auto: float32 on CPU, the checkpoint's dtype on accelerators."""
+        if self.dtype != "auto":
+            return self
+        platform = self.device_groups()[0][0].platform
+        dtype = "float32" if platform == "cpu" else checkpoint_dtype(model_path)
+        return dataclasses.replace(self, dtype=dtype)
 
     @property
     def min_kv_tokens(self) -> int:

@@ -10,9 +10,11 @@ import concurrent.futures
 import functools
 import os
 import threading
+import time
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +35,8 @@ from model.sharding import (
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.engine_config import EngineConfig
+
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event
 
 
 def footprint(compiled: jax.stages.Compiled) -> int:
@@ -95,13 +99,29 @@ class ForwardPrograms:
         return self._programs[key]
 
     def warm_up(self, threads: int = os.cpu_count() or 1,
-                shapes: list[BatchShape] | None = None) -> None:
+                shapes: list[BatchShape] | None = None, progress_s: float = 10.0) -> None:
         """Compiles `shapes` (default: every bucket), with and without the logsumexp, on
-        `threads` threads (XLA compiles outside the GIL)."""
+        `threads` threads (XLA compiles outside the GIL), logging its progress every
+        `progress_s` and, at the end, how many programs JAX's compilation cache held."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda job: self.get(*job), jobs))
+        hits = []
+        counter = lambda event, **_: hits.append(1) if event == _CACHE_HIT else None  # noqa: E731
+        jax.monitoring.register_event_listener(counter)
+        start = last = time.monotonic()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                futures = [pool.submit(self.get, *job) for job in jobs]
+                for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                    future.result()
+                    if time.monotonic() - last >= progress_s and done < len(jobs):
+                        last = time.monotonic()
+                        logging.info("compiling %d/%d programs, %.0f s", done, len(jobs),
+                                     last - start)
+        finally:
+            jax.monitoring.unregister_event_listener(counter)
+        logging.info("compiled %d programs in %.0f s, %d of them read from the compilation "
+                     "cache", len(jobs), time.monotonic() - start, len(hits))
 
 
 def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: str, devices,

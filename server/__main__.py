@@ -3,8 +3,10 @@
 Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path); --help lists them.
 """
 import asyncio
+import os
 import signal
 
+import jax
 from absl import app, flags, logging
 
 from model.decoder import ATTENTION_BACKENDS
@@ -18,12 +20,19 @@ from server.http import Limits
 FLAGS = flags.FLAGS
 
 
+def default_compile_cache_dir() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "jax-score", "xla")
+
+
 def define_flags() -> None:
     flags.DEFINE_string("model_path", None, "HF checkpoint directory or .gguf file; "
                         "default: the embedded SmolLM2-135M-Instruct")
     flags.DEFINE_string("host", "127.0.0.1", "address to bind")
     flags.DEFINE_integer("port", 30000, "port to bind")
-    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "weights and activations")
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "weights, activations "
+                      "and KV; auto: float32 on CPU, the checkpoint's dtype on accelerators "
+                      "(bfloat16 unless it is stored in float32)")
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
     flags.DEFINE_integer("max_prefill_tokens", 8192, "new tokens in one forward pass")
     flags.DEFINE_integer("max_seqs", 64, "sequences in one forward pass")
@@ -38,6 +47,9 @@ def define_flags() -> None:
     flags.DEFINE_float("mem_fraction", 0.8, "share of accelerator memory for params and KV")
     flags.DEFINE_bool("disable_prefix_cache", False, "recompute every query")
     flags.DEFINE_bool("skip_warmup", False, "compile shape buckets on first use, not at start")
+    flags.DEFINE_string("compile_cache_dir", default_compile_cache_dir(), "where compiled "
+                        "programs are kept for the next start (JAX's persistent compilation "
+                        "cache); '' turns it off")
     flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body (413 beyond)")
     flags.DEFINE_integer("max_head_bytes", 64 << 10, "largest request line and headers "
                          "(431 beyond)")
@@ -93,8 +105,9 @@ async def serve(engine: Engine) -> None:
     server = ScoreServer(engine, server_config())
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
-    logging.info("serving %s on http://%s:%d", FLAGS.model_path or "SmolLM2-135M (embedded)",
-                 FLAGS.host, port)
+    logging.info("serving %s: %s, on http://%s:%d",
+                 FLAGS.model_path or "SmolLM2-135M (embedded)", engine.describe(), FLAGS.host,
+                 port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -104,8 +117,17 @@ async def serve(engine: Engine) -> None:
     await server.shutdown(FLAGS.grace_s)
 
 
+def use_compile_cache(path: str) -> None:
+    """Every program JAX compiles is kept under `path` and read back on the next start."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        logging.info("compilation cache: %s", path)
+
+
 def start_engine() -> Engine:
     """The engine, after joining the other hosts; a bad flag is a usage error."""
+    use_compile_cache(FLAGS.compile_cache_dir)
     try:
         dist = DistConfig(FLAGS.dist_init_addr, FLAGS.nnodes, FLAGS.node_rank)
         dist.initialize()

@@ -185,31 +185,45 @@ def test_health_answers_during_a_forward(engines, monkeypatch):
         worker.join(30)
 
 
-def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs):
-    import re
+def start_cli_server(model_dir: str, *args: str):
+    """`python -m server` on a free port: (the process, its port, its log lines so far)."""
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
-                             "--port", "0", "--dtype=float32", "--max-prefill-tokens", "64",
-                             "--max-seqs=4", "--max-rows=16", "--disable-prefix-cache"],
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if match := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
-                break
-        else:
-            raise AssertionError("server did not report its port")
-        port = int(match.group(1))
-        assert call(port, "GET", "/health")[0] == 200
-        status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})
-        assert status == 200 and len(payload["scores"]) == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0  # a graceful stop
-    finally:
-        proc.kill()
-        proc.wait(30)
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dir,
+                             "--port", "0", *args], stderr=subprocess.PIPE, text=True)
+    lines, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline and (line := proc.stderr.readline()):
+        lines.append(line)
+        if match := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
+            return proc, int(match.group(1)), lines
+    proc.kill()
+    raise AssertionError("server did not report its port:\n" + "".join(lines))
+
+
+def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs, tmp_path):
+    """Also: one start-up line says what serves, and the second start reads every program
+    from the compilation cache."""
+    args = ["--dtype=auto", "--max-prefill-tokens", "64", "--max-seqs=4", "--max-rows=16",
+            "--disable-prefix-cache", "--compile-cache-dir", str(tmp_path / "xla")]
+    for start in ("first", "second"):
+        proc, port, lines = start_cli_server(model_dirs["qwen3"], *args)
+        try:
+            assert re.search(r"serving .*qwen3: qwen3 in float32, xla attention, 1 replica\(s\)"
+                             r" of 1 cpu device\(s\) \(cpu\), KV pool of \d+ tokens a replica,"
+                             r" on http://", lines[-1]), lines[-1]
+            compiled = next(re.search(r"compiled (\d+) programs in \d+ s, (\d+) of them read "
+                                      r"from the compilation cache", line) for line in lines
+                            if "compiled" in line)
+            assert int(compiled.group(2)) == (int(compiled.group(1)) if start == "second" else 0)
+            assert call(port, "GET", "/health")[0] == 200
+            assert call(port, "GET", "/get_model_info")[1]["dtype"] == "float32"  # auto, CPU
+            status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})
+            assert status == 200 and len(payload["scores"]) == 2
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0  # a graceful stop
+        finally:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_cli_refuses_an_argument_that_is_not_a_flag(model_dirs):

@@ -228,3 +228,15 @@ def test_a_model_that_cannot_rerank_says_why(engines):
     with serving(engines["qwen3_cls"]) as p:  # three classes
         assert_error(*rerank(p, {"query": "q", "documents": ["a"]}), 501,
                      "reranking is off: a classifier of 3 classes cannot rerank")
+
+
+def test_bench_rerank_times_new_and_repeated_queries(port):
+    import asyncio
+
+    from profiling.bench_rerank import bench
+    result = asyncio.run(bench(f"http://127.0.0.1:{port}", [1, 3], doc_words=4, repeats=1,
+                               seed=0))
+    rows = result["rows"]
+    assert [(r["documents"], r["query_cached"]) for r in rows] == [
+        (1, False), (1, True), (3, False), (3, True)]
+    assert all(r["documents_per_s"] > 0 and r["prompt_tokens_per_document"] > 4 for r in rows)

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from model.config import config_from_hf
-from model.loader import load_config, load_model
+from model.loader import checkpoint_dtype, load_config, load_model
 from model.params import param_shapes
 from model.sharding import repeat_kv_heads, repeat_kv_shapes
 from tests.tiny_models import FAMILIES, hf_config
@@ -102,3 +102,29 @@ def test_missing_shard_is_a_clear_error(model_dirs, tmp_path):
     os.remove(os.path.join(d, shard))
     with pytest.raises(FileNotFoundError, match="missing safetensors shards"):
         load_model(d)
+
+
+@pytest.mark.parametrize("stored, want", [("bfloat16", "bfloat16"), ("float16", "bfloat16"),
+                                          ("float32", "float32"), (None, "float32")])
+def test_checkpoint_dtype_is_what_its_weights_fit(tmp_path, stored, want):
+    hf = hf_config("llama")
+    if stored:
+        hf["torch_dtype"] = stored
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert checkpoint_dtype(str(tmp_path)) == want
+
+
+def test_dtype_auto_is_float32_on_cpu_and_the_params_own_otherwise(model_dirs):
+    from runtime.engine import Engine
+    from tests.conftest import small_config
+    assert checkpoint_dtype(None) == "bfloat16"  # the embedded GGUF's Q4_1 blocks
+    assert small_config(dtype="auto").resolve_dtype(None).dtype == "float32"  # CPU here
+    engine = Engine.from_path(model_dirs["llama"], small_config(dtype="auto"))
+    engine.close()
+    assert engine.engine_cfg.dtype == "float32"
+    cfg, params, tokenizer = load_model(model_dirs["llama"], "bfloat16")
+    engine = Engine(cfg, params, tokenizer, small_config(dtype="auto"))
+    engine.close()
+    assert engine.engine_cfg.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="auto or one of"):
+        small_config(dtype="float16")
