@@ -64,7 +64,8 @@ class Engine:
                      pages, engine_cfg.page_size)
         self.channel = StepChannel(buckets, pages) if multihost else None
         publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
-        runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish)
+        runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish,
+                               engine_cfg.program_cache_dir)
                    for group in groups]  # across hosts, dp_size is 1: one runner publishes
         if engine_cfg.warmup:
             for runner in runners:

@@ -29,6 +29,7 @@ class EngineConfig:
     dp_size: int = 1                # replicas, each on its own devices
     rerank_template: str = ""       # a built-in name or a JSON file; "": Qwen3-Reranker's,
     #                                 where the vocabulary holds its labels
+    program_cache_dir: str = ""     # compiled programs kept for the next start; "": none
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES):

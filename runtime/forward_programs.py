@@ -35,6 +35,7 @@ from model.sharding import (
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.engine_config import EngineConfig
+from runtime.program_cache import ProgramCache
 
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event
 
@@ -57,15 +58,20 @@ def _abstract(tree):
 
 class ForwardPrograms:
     def __init__(self, cfg: ModelConfig, buckets: ShapeBuckets, backend: str, mesh,
-                 shards: ShardPlan, params: dict, cache: KVCache):
+                 shards: ShardPlan, params: dict, cache: KVCache,
+                 program_cache_dir: str = ""):
         """`params` and `cache`: arrays, or jax.ShapeDtypeStructs placed (sharding and layout)
-        as the arrays the programs will be given."""
+        as the arrays the programs will be given. `program_cache_dir`: where compiled programs
+        are kept for the next start (runtime.program_cache); "": nowhere."""
         self.cfg, self.buckets, self.backend = cfg, buckets, backend
         self.mesh, self.shards = mesh, shards
         self._params, self._cache = _abstract(params), _abstract(cache)
         self._programs = {}
         self._lock = threading.Lock()
-        self.compile_count = 0
+        self.compile_count = 0  # programs compiled, not read from the program cache
+        self._disk = ProgramCache(program_cache_dir, list(mesh.devices.flat), cfg, buckets,
+                                  backend, shards, self._params,
+                                  self._cache) if program_cache_dir else None
 
     @property
     def num_pages(self) -> int:
@@ -92,20 +98,26 @@ class ForwardPrograms:
     def get(self, shape: BatchShape, with_lse: bool) -> jax.stages.Compiled:
         key = (shape, with_lse)
         if key not in self._programs:
-            program = self.lower(shape, with_lse).compile()
+            name = repr(key)
+            program = self._disk.load(name) if self._disk else None
+            compiled = program is None
+            if compiled:
+                program = self.lower(shape, with_lse).compile()
+                if self._disk:
+                    self._disk.store(name, program)
             with self._lock:
                 self._programs[key] = program
-                self.compile_count += 1
+                self.compile_count += compiled
         return self._programs[key]
 
     def warm_up(self, threads: int = os.cpu_count() or 1,
                 shapes: list[BatchShape] | None = None, progress_s: float = 10.0) -> None:
         """Compiles `shapes` (default: every bucket), with and without the logsumexp, on
         `threads` threads (XLA compiles outside the GIL), logging its progress every
-        `progress_s` and, at the end, how many programs JAX's compilation cache held."""
+        `progress_s` and, at the end, how many programs were read from a cache."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
-        hits = []
+        hits, compiled = [], self.compile_count
         counter = lambda event, **_: hits.append(1) if event == _CACHE_HIT else None  # noqa: E731
         jax.monitoring.register_event_listener(counter)
         start = last = time.monotonic()
@@ -116,12 +128,14 @@ class ForwardPrograms:
                     future.result()
                     if time.monotonic() - last >= progress_s and done < len(jobs):
                         last = time.monotonic()
-                        logging.info("compiling %d/%d programs, %.0f s", done, len(jobs),
+                        logging.info("preparing %d/%d programs, %.0f s", done, len(jobs),
                                      last - start)
         finally:
             jax.monitoring.unregister_event_listener(counter)
-        logging.info("compiled %d programs in %.0f s, %d of them read from the compilation "
-                     "cache", len(jobs), time.monotonic() - start, len(hits))
+        compiled = self.compile_count - compiled
+        logging.info("%d programs ready in %.0f s: %d read from the program cache, %d compiled "
+                     "(%d of them found in JAX's compilation cache)", len(jobs),
+                     time.monotonic() - start, len(jobs) - compiled, compiled, len(hits))
 
 
 def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: str, devices,

@@ -29,9 +29,11 @@ Publish = Callable[[BatchShape, bool, ForwardBatch], None]
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, buckets: ShapeBuckets, num_pages: int,
-                 dtype, backend: str, devices=None, publish: Publish | None = None):
+                 dtype, backend: str, devices=None, publish: Publish | None = None,
+                 program_cache_dir: str = ""):
         """`params` on the host (model.params); `devices`: the mesh, by default the first.
-        `publish`: multi-host node 0's step channel (runtime.distributed), told each forward."""
+        `publish`: multi-host node 0's step channel (runtime.distributed), told each forward.
+        `program_cache_dir`: where compiled programs are kept between starts; "": nowhere."""
         self.cfg, self.buckets = cfg, buckets
         self.num_pages, self.dtype, self.backend = num_pages, dtype, backend
         devices = list(devices or jax.devices()[:1])
@@ -42,7 +44,7 @@ class ModelRunner:
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
         self.cache = self._new_cache()
         self.programs = ForwardPrograms(cfg, buckets, backend, self.mesh, self.shards,
-                                        self.params, self.cache)
+                                        self.params, self.cache, program_cache_dir)
         self._publish = publish
 
     @property

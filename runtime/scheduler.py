@@ -141,27 +141,34 @@ class Scheduler:
 
     def _run(self, batch: list[tuple[Unit, ScheduledSeq]]) -> None:
         entries = [e for _, e in batch]
-        labels = [u.job.labels for u, _ in batch for _ in u.items]
-        with_lse = any(u.job.with_lse for u, _ in batch)
         try:
-            shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
-                                       len(entries))
-            with jax.profiler.TraceAnnotation("build_batch"):
-                forward = build_batch(entries, labels, shape, self.buckets.page_size,
-                                      self.runner.num_pages, self.runner.sizes)
-            with jax.profiler.TraceAnnotation("forward"):
-                logits, lse = self.runner.run(forward, shape, with_lse)
+            outcome = self._forward(batch, entries)
         except Exception as e:  # this batch fails; the runtime goes on
             logging.exception("forward of %d sequences failed", len(entries))
-            self._fail(batch, e)
-        else:
-            self.stats.padded_tokens += shape.tokens
-            self._finish(batch, logits, lse)
-        finally:
+            outcome = e
+        finally:  # before any request is answered: a client with its answer finds them free
             with self._cond:
                 for entry in entries:
                     self.pool.release(entry.pages)
                 self._running.clear()
+        if isinstance(outcome, Exception):
+            self._fail(batch, outcome)
+        else:
+            self._finish(batch, *outcome)
+
+    def _forward(self, batch: list[tuple[Unit, ScheduledSeq]], entries: list[ScheduledSeq]):
+        """The pass's label logits and logsumexp."""
+        labels = [u.job.labels for u, _ in batch for _ in u.items]
+        with_lse = any(u.job.with_lse for u, _ in batch)
+        shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
+                                   len(entries))
+        with jax.profiler.TraceAnnotation("build_batch"):
+            forward = build_batch(entries, labels, shape, self.buckets.page_size,
+                                  self.runner.num_pages, self.runner.sizes)
+        with jax.profiler.TraceAnnotation("forward"):
+            logits, lse = self.runner.run(forward, shape, with_lse)
+        self.stats.padded_tokens += shape.tokens
+        return logits, lse
 
     def _finish(self, batch, logits, lse) -> None:
         self.stats.forwards += 1

@@ -22,7 +22,7 @@ FLAGS = flags.FLAGS
 
 def default_compile_cache_dir() -> str:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "jax-score", "xla")
+    return os.path.join(cache, "jax-score")
 
 
 def define_flags() -> None:
@@ -48,8 +48,9 @@ def define_flags() -> None:
     flags.DEFINE_bool("disable_prefix_cache", False, "recompute every query")
     flags.DEFINE_bool("skip_warmup", False, "compile shape buckets on first use, not at start")
     flags.DEFINE_string("compile_cache_dir", default_compile_cache_dir(), "where compiled "
-                        "programs are kept for the next start (JAX's persistent compilation "
-                        "cache); '' turns it off")
+                        "programs are kept for the next start: the server's forwards under "
+                        "programs/, found without tracing them, and JAX's persistent "
+                        "compilation cache under xla/; '' turns both off")
     flags.DEFINE_integer("max_body_bytes", 8 << 20, "largest request body (413 beyond)")
     flags.DEFINE_integer("max_head_bytes", 64 << 10, "largest request line and headers "
                          "(431 beyond)")
@@ -89,7 +90,9 @@ def engine_config() -> EngineConfig:
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
         attention_backend=FLAGS.attention_backend, q_block=FLAGS.q_block,
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
-        rerank_template=FLAGS.rerank_template)
+        rerank_template=FLAGS.rerank_template,
+        program_cache_dir=os.path.join(FLAGS.compile_cache_dir, "programs")
+        if FLAGS.compile_cache_dir else "")
 
 
 def server_config() -> ServerConfig:
@@ -118,9 +121,10 @@ async def serve(engine: Engine) -> None:
 
 
 def use_compile_cache(path: str) -> None:
-    """Every program JAX compiles is kept under `path` and read back on the next start."""
+    """Every program JAX compiles is kept under `path`/xla and read back on the next start
+    (the forwards under `path`/programs: EngineConfig.program_cache_dir)."""
     if path:
-        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_compilation_cache_dir", os.path.join(path, "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         logging.info("compilation cache: %s", path)
 

@@ -202,7 +202,7 @@ def start_cli_server(model_dir: str, *args: str):
 
 def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs, tmp_path):
     """Also: one start-up line says what serves, and the second start reads every program
-    from the compilation cache."""
+    back from the program cache."""
     args = ["--dtype=auto", "--max-prefill-tokens", "64", "--max-seqs=4", "--max-rows=16",
             "--disable-prefix-cache", "--compile-cache-dir", str(tmp_path / "xla")]
     for start in ("first", "second"):
@@ -211,10 +211,11 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs, tmp_path)
             assert re.search(r"serving .*qwen3: qwen3 in float32, xla attention, 1 replica\(s\)"
                              r" of 1 cpu device\(s\) \(cpu\), KV pool of \d+ tokens a replica,"
                              r" on http://", lines[-1]), lines[-1]
-            compiled = next(re.search(r"compiled (\d+) programs in \d+ s, (\d+) of them read "
-                                      r"from the compilation cache", line) for line in lines
-                            if "compiled" in line)
-            assert int(compiled.group(2)) == (int(compiled.group(1)) if start == "second" else 0)
+            ready = next(re.search(r"(\d+) programs ready in \d+ s: (\d+) read from the "
+                                   r"program cache, (\d+) compiled", line) for line in lines
+                         if "programs ready" in line)
+            total, read, compiled = map(int, ready.groups())
+            assert (read, compiled) == ((total, 0) if start == "second" else (0, total))
             assert call(port, "GET", "/health")[0] == 200
             assert call(port, "GET", "/get_model_info")[1]["dtype"] == "float32"  # auto, CPU
             status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})

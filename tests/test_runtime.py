@@ -145,3 +145,15 @@ def test_warm_up_compiles_every_bucket_and_a_varied_stream_compiles_nothing(mode
     assert engine.runner.compile_count == compiled
     assert backend_compiles == []
     engine.close()
+
+
+def test_a_request_is_answered_after_its_pages_are_free(model_dirs):
+    """A client that has its answer finds the pass's pages back in the pool."""
+    engine = Engine.from_path(model_dirs["llama"], small_config(prefix_cache=False))
+    free_when_answered = []
+    future = engine.submit(parse_score_request(
+        {"query": [3, 4, 5] * 9, "items": [[6], [7, 8]], "label_token_ids": [1, 2]}))
+    future.add_done_callback(lambda f: free_when_answered.append(engine.scheduler.pool.free_count))
+    future.result(60)
+    engine.close()
+    assert free_when_answered == [engine.scheduler.pool.num_pages]
