@@ -12,6 +12,7 @@ from model.config import config_from_hf
 from model.loader import checkpoint_dtype, load_config, load_model
 from model.params import param_shapes
 from model.sharding import repeat_kv_heads, repeat_kv_shapes
+from runtime.engine_config import EngineConfig
 from tests.tiny_models import FAMILIES, hf_config
 
 
@@ -128,3 +129,15 @@ def test_dtype_auto_is_float32_on_cpu_and_the_params_own_otherwise(model_dirs):
     assert engine.engine_cfg.dtype == "bfloat16"
     with pytest.raises(ValueError, match="auto or one of"):
         small_config(dtype="float16")
+
+
+def test_dtype_auto_on_an_accelerator_is_the_checkpoints(model_dirs, monkeypatch, tmp_path):
+    from tests.conftest import small_config
+    gpu = type("Device", (), {"platform": "gpu"})()
+    monkeypatch.setattr(EngineConfig, "device_groups", lambda self: [[gpu]])
+    assert small_config(dtype="auto").resolve_dtype(None).dtype == "bfloat16"  # Q4_1 GGUF
+    assert small_config(dtype="auto").resolve_dtype(model_dirs["llama"]).dtype == "float32"
+    hf = {**hf_config("llama"), "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert small_config(dtype="auto").resolve_dtype(str(tmp_path)).dtype == "bfloat16"
+    assert small_config(dtype="float32").resolve_dtype(str(tmp_path)).dtype == "float32"
