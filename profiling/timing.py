@@ -18,13 +18,8 @@ def wall_time(fn, args=(), repeats: int = 3, trace_dir: str | None = None) -> fl
     """Median seconds per call after block_until_ready, after one warm-up call (compiles).
     With `trace_dir`, the timed calls are traced there."""
     jax.block_until_ready(fn(*args))
-    times = []
     with tracing(trace_dir):
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return _rounds([(fn, args)], repeats)[0]
 
 
 def interleaved_wall_times(calls, repeats: int = 3) -> list[float]:
@@ -32,6 +27,10 @@ def interleaved_wall_times(calls, repeats: int = 3) -> list[float]:
     per round, after a warm-up round), so that a shared machine's slow spells fall on all."""
     for fn, args in calls:
         jax.block_until_ready(fn(*args))
+    return _rounds(calls, repeats)
+
+
+def _rounds(calls, repeats: int) -> list[float]:
     times = [[] for _ in calls]
     for _ in range(repeats):
         for (fn, args), out in zip(calls, times):

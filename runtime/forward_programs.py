@@ -117,7 +117,7 @@ class ForwardPrograms:
         `progress_s` and, at the end, how many programs were read from a cache."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
-        hits, compiled = [], self.compile_count
+        hits, compiled_before = [], self.compile_count
         counter = lambda event, **_: hits.append(1) if event == _CACHE_HIT else None  # noqa: E731
         jax.monitoring.register_event_listener(counter)
         start = last = time.monotonic()
@@ -132,7 +132,7 @@ class ForwardPrograms:
                                      last - start)
         finally:
             jax.monitoring.unregister_event_listener(counter)
-        compiled = self.compile_count - compiled
+        compiled = self.compile_count - compiled_before
         logging.info("%d programs ready in %.0f s: %d read from the program cache, %d compiled "
                      "(%d of them found in JAX's compilation cache)", len(jobs),
                      time.monotonic() - start, len(jobs) - compiled, compiled, len(hits))

@@ -188,8 +188,8 @@ class ScoreServer:
                 return Answer(405, error_body(f"{req.path} allows only {' and '.join(allowed)}",
                                               405, ScoreError.TYPES[405]),
                               [f"Allow: {', '.join(allowed)}"])
-            payload = await route[1](req, gone)
-            return Answer(200, *payload) if isinstance(payload, tuple) else Answer(200, payload, [])
+            answer = await route[1](req, gone)
+            return answer if isinstance(answer, Answer) else Answer(200, answer, [])
         except ScoreError as e:
             return self._error(e)
         except ConnectionError:
@@ -198,21 +198,23 @@ class ScoreServer:
             logging.exception("error serving %s %s", req.method, req.path)
             return self._error(ScoreError(f"internal error: {e}", 500))
 
-    async def _score(self, req: Request, gone) -> tuple[dict, list, int]:
+    async def _score(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
         result = await self._queued(self.engine.submit, score_req, gone)
         n = result.prompt_tokens
-        return {"scores": result.scores, "model": score_req.model, "object": "scoring",
-                "usage": {"prompt_tokens": n, "completion_tokens": 0,
-                          "total_tokens": n}}, [], len(result.scores)
+        return Answer(200, {"scores": result.scores, "model": score_req.model,
+                            "object": "scoring", "usage": {"prompt_tokens": n,
+                                                           "completion_tokens": 0,
+                                                           "total_tokens": n}},
+                      [], len(result.scores))
 
-    async def _rerank(self, req: Request, gone) -> tuple[dict, list, int]:
+    async def _rerank(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
             rerank_req = parse_rerank_request(parse_json(req.body))
         result = await self._queued(self.engine.submit_rerank, rerank_req, gone)
-        return rerank_response(rerank_req, result), [], len(rerank_req.documents)
+        return Answer(200, rerank_response(rerank_req, result), [], len(rerank_req.documents))
 
     async def _queued(self, submit, request, gone):
         """`submit(request)`'s result, unless the server is saturated (503) or the client goes
