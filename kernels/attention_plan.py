@@ -3,7 +3,7 @@
 Queries are cut into q blocks of `q_block` packed tokens, block b holding tokens
 [b * q_block, (b + 1) * q_block): the kernels read q and write their output in token order,
 whatever the batch's sequences. A block may hold rows of several sequences; each (q block,
-sequence) segment gets a step per KV block some row of it can see (SPEC §4): the prefix blocks
+sequence) segment gets a step per KV block some row of it can see (SPEC §4): the shared blocks
 [0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items it overlaps. A
 step masks the block's rows of other sequences. Other KV blocks are absent: the kernel neither
 copies nor multiplies them. The steps are padded to a fixed count (jit shapes) and
@@ -80,13 +80,14 @@ def real_q_blocks(plan: AttentionPlan) -> int:
     return len(np.unique(np.asarray(plan.step_block)[real]))
 
 
-def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, prefix_len: int, kv_block: int):
-    """KV block indices some row (kv position `pos`, visible-from `vis`) can see."""
+def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_block: int):
+    """KV block indices some row (kv position `pos`, visible-from `vis`) can see: `sees` on
+    intervals. A row sees [0, min(L, pos + 1)) and [vis, pos]."""
     p_max, a_min = int(pos.max()), int(vis.min())
     blocks = set(range(a_min // kv_block, p_max // kv_block + 1))
-    prefix_end = min(prefix_len, p_max + 1)
-    if prefix_end > 0:
-        blocks |= set(range((prefix_end - 1) // kv_block + 1))
+    shared_end = min(shared_len, p_max + 1)
+    if shared_end > 0:
+        blocks |= set(range((shared_end - 1) // kv_block + 1))
     return sorted(blocks)
 
 
@@ -114,7 +115,7 @@ def _block_flags(blocks: np.ndarray) -> np.ndarray:
     return (FIRST * first | LAST * last).astype(np.int32)
 
 
-def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
+def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
                max_steps: int | None = None) -> AttentionPlan:
     """Pads the steps to `max_steps` (None: no padding)."""
     cu, kv_lens, visible_from = map(np.asarray, (cu_q_lens, kv_lens, visible_from))
@@ -122,7 +123,7 @@ def build_plan(cu_q_lens, kv_lens, prefix_lens, visible_from, sizes: BlockSizes,
     steps = []
     for s in range(len(kv_lens)):
         for block, lo, hi in _segments(int(cu[s]), int(cu[s + 1]), sizes.q_block):
-            kv = needed_kv_blocks(pos[lo:hi], visible_from[lo:hi], int(prefix_lens[s]),
+            kv = needed_kv_blocks(pos[lo:hi], visible_from[lo:hi], int(shared_lens[s]),
                                   sizes.kv_block)
             steps += [(block, s, k) for k in kv]
     n_real = len(steps)

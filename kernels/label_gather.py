@@ -16,7 +16,7 @@ from kernels.rms_norm import rms_norm
 TAIL_BLOCKS = (1, 4)
 
 
-def check_shapes(hidden, norm_weight, head, label_ids) -> None:
+def check_gather_shapes(hidden, norm_weight, head, label_ids) -> None:
     if hidden.ndim != 2 or head.ndim != 2 or label_ids.ndim != 2:
         raise ValueError(f"expected hidden [R, H], head [V, H], label_ids [R, K]; got "
                          f"{hidden.shape}, {head.shape}, {label_ids.shape}")
@@ -27,43 +27,33 @@ def check_shapes(hidden, norm_weight, head, label_ids) -> None:
         raise ValueError(f"label_ids {label_ids.shape} and hidden {hidden.shape} disagree on R")
 
 
-def scale_and_cap(logits, logit_scale, softcap):
-    logits = logits * logit_scale
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    return logits
-
-
 def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, eps: float,
-                                      with_logsumexp: bool, num_rows=None, num_labels=None,
-                                      logit_scale: float = 1.0, softcap: float | None = None):
+                                      with_logsumexp: bool, num_rows=None, num_labels=None):
     """Every row and label: `num_rows` and `num_labels` (the real ones) are not used."""
     del num_rows, num_labels
-    check_shapes(hidden, norm_weight, head, label_ids)
+    check_gather_shapes(hidden, norm_weight, head, label_ids)
     x = rms_norm(hidden, norm_weight, eps)
     n_labels, (vocab, width) = label_ids.shape[1], head.shape
     if not with_logsumexp and n_labels * width <= vocab:
         rows = head[label_ids]  # [R, K, H]: only the label rows of the head
         label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
-        return scale_and_cap(label_logits, logit_scale, softcap), None
+        return label_logits, None
     # The logsumexp needs every logit; so do label sets larger than the head itself.
-    logits = scale_and_cap(jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32),
-                     logit_scale, softcap)
+    logits = jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32)
     label_logits = jnp.take_along_axis(logits, label_ids, axis=1)
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None
 
 
 def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
                                 with_logsumexp: bool, num_rows, num_labels=None,
-                                row_block: int = 16, logit_scale: float = 1.0,
-                                softcap: float | None = None):
+                                row_block: int = 16):
     """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
     row reads the whole head, `row_block` rows at a time and the last few rows in a smaller
     block (`TAIL_BLOCKS`), so that padded rows cost little. Rows past the last block are zero.
     Every label is computed (`num_labels` is not used)."""
     del num_labels
-    check_shapes(hidden, norm_weight, head, label_ids)
-    kw = dict(eps=eps, with_logsumexp=with_logsumexp, logit_scale=logit_scale, softcap=softcap)
+    check_gather_shapes(hidden, norm_weight, head, label_ids)
+    kw = dict(eps=eps, with_logsumexp=with_logsumexp)
     r, k = label_ids.shape
     if not with_logsumexp:  # a padded row costs K head rows; in a loop XLA CPU copied the head
         logits, _ = final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, **kw)

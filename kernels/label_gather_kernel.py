@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.label_gather import check_shapes, scale_and_cap
+from kernels.label_gather import check_gather_shapes
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import LANES, SUBLANES
 
@@ -66,7 +66,7 @@ def _pick_labels(c, logits, pair_of, labels_ref, out_ref, count):
 
 
 def _label_tiles_kernel(counts_ref, labels_smem, runs_smem, hidden_ref, norm_ref, labels_ref,
-                        runs_ref, head_hbm, out_ref, tiles, sems, *, eps, logit_scale, softcap):
+                        runs_ref, head_hbm, out_ref, tiles, sems, *, eps):
     """Grid: blocks of rows. counts_ref: (real rows, real labels). A label run is consecutive
     rows with the same label ids (a request's items); each (run, label) pair of the block
     copies its tile of head rows once, _CHUNK_TILES pairs to a chunk, the next chunk in flight
@@ -103,11 +103,11 @@ def _label_tiles_kernel(counts_ref, labels_smem, runs_smem, hidden_ref, norm_ref
 
         jax.lax.fori_loop(0, pl.cdiv(n_pairs, _CHUNK_TILES), chunk, start(0, (first, 0)))
         real = first + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 2) < n_rows
-        out_ref[...] = jnp.where(real, scale_and_cap(out_ref[...], logit_scale, softcap), 0.0)
+        out_ref[...] = jnp.where(real, out_ref[...], 0.0)
 
 
 def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
-                     x_ref, m_ref, s_ref, acc_ref, *, eps, vocab, logit_scale, softcap):
+                     x_ref, m_ref, s_ref, acc_ref, *, eps, vocab):
     """Grid: (row blocks, vocabulary tiles). counts_ref: (real rows, real labels)."""
     j = pl.program_id(1)
     tile = head_ref.shape[0]
@@ -121,7 +121,6 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
 
     logits = jax.lax.dot_general(x_ref[...], head_ref[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-    logits = scale_and_cap(logits, logit_scale, softcap)
     col = j * tile + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     valid = col < vocab
     m_prev = m_ref[...]
@@ -255,7 +254,6 @@ def _streamed(counts, hidden, norm, head, labels, row_block, vocab_tile, interpr
 
 def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
                             with_logsumexp: bool, num_rows=None, num_labels=None,
-                            logit_scale: float = 1.0, softcap: float | None = None,
                             vocab_tile: int = 2048, max_stream_rows: int = 256,
                             max_label_rows: int = _LABEL_ROWS, interpret=False):
     """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
@@ -264,11 +262,11 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
     any row; label columns past `num_labels` come back 0. The streamed mode reads the head
     once per block of up to `max_stream_rows` rows; labels only, a grid step takes up to
     `max_label_rows` rows (a multiple of 128 where there are more rows)."""
-    check_shapes(hidden, norm_weight, head, label_ids)
+    check_gather_shapes(hidden, norm_weight, head, label_ids)
     (r, h), (vocab, k) = hidden.shape, (head.shape[0], label_ids.shape[1])
     counts = jnp.stack([jnp.asarray(r if num_rows is None else num_rows, jnp.int32),
                         jnp.asarray(k if num_labels is None else num_labels, jnp.int32)])
-    kw = dict(eps=eps, logit_scale=logit_scale, softcap=softcap)
+    kw = dict(eps=eps)
     labels = label_ids.astype(jnp.int32)
 
     def streamed():

@@ -6,8 +6,8 @@ Layout (shared with the Pallas kernel):
   metadata   AttentionMetadata, see below
 
 Token t of sequence s sits at KV position p(t) = kv_lens[s] - q_len[s] + (t - cu_q_lens[s]);
-it sees KV position j iff  j <= p(t)  and  (j < prefix_lens[s]  or  j >= visible_from[t]).
-Causal sequences have prefix_lens = visible_from = 0.
+it sees KV position j iff  j <= p(t)  and  (j < shared_lens[s]  or  j >= visible_from[t]).
+Causal sequences have shared_lens = visible_from = 0.
 """
 from typing import Any, NamedTuple
 
@@ -21,12 +21,12 @@ class AttentionMetadata(NamedTuple):
     cu_q_lens: jax.Array     # [S + 1] int32, offsets of each sequence in the packed tokens
     kv_lens: jax.Array       # [S] int32, KV length (cached prefix + new tokens)
     page_indices: jax.Array  # [S, pages_per_seq] int32, page table
-    prefix_lens: jax.Array   # [S] int32, shared prefix length L (0: plain causal)
-    visible_from: jax.Array  # [T] int32, a(t): first non-prefix KV position token t sees
+    shared_lens: jax.Array   # [S] int32, L: positions every token sees (0: plain causal)
+    visible_from: jax.Array  # [T] int32, a(t): first KV position past L that token t sees
     plan: Any = None         # AttentionPlan for the Pallas kernel (host-built); unused here
 
 
-def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
+def check_attention_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
     if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
         raise ValueError(f"expected q [T, Hq, D] and k/v pages [layers, Hkv, pages, "
                          f"page_size, D], got q {q.shape}, k {k_pages.shape}, v {v_pages.shape}")
@@ -35,7 +35,7 @@ def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
     if k_pages.shape[-1] != d or hq % hkv:
         raise ValueError(f"q {q.shape} does not fit k/v pages {k_pages.shape} (head_dim, GQA)")
     s = md.kv_lens.shape[0]
-    if (md.cu_q_lens.shape != (s + 1,) or md.prefix_lens.shape != (s,)
+    if (md.cu_q_lens.shape != (s + 1,) or md.shared_lens.shape != (s,)
             or md.page_indices.ndim != 2 or md.page_indices.shape[0] != s
             or md.visible_from.shape != (t,)):
         raise ValueError(f"metadata shapes do not fit {s} sequences and {t} tokens: "
@@ -69,21 +69,26 @@ def gather_pages(pages, layer, ids):
     return pages[layer, :, ids].transpose(1, 0, 2, 3).reshape(hkv, -1, d)
 
 
-def visible_mask(q_pos, visible_from, prefix_len, kv_len, kv_pos):
-    """[Q, K] bool: the SPEC §4 rule, with keys beyond kv_len hidden."""
-    j = kv_pos[None, :]
-    causal = j <= q_pos[:, None]
-    in_window = (j < prefix_len) | (j >= visible_from[:, None])
-    return causal & in_window & (j < kv_len)
+def sees(kv_pos, q_pos, visible_from, shared_len, kv_len):
+    """The multi-item mask, elementwise (broadcasting): a token at KV position `q_pos` sees
+    position `kv_pos` iff it is not later, and is shared or in the token's own window, and
+    holds a key. Every kernel masks with this; `needed_kv_blocks` is its block-level form."""
+    in_window = (kv_pos < shared_len) | (kv_pos >= visible_from)
+    return (kv_pos <= q_pos) & in_window & (kv_pos < kv_len)
 
 
-def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, prefix_len, kv_len, sm_scale):
+def visible_mask(q_pos, visible_from, shared_len, kv_len, kv_pos):
+    """[Q, K] bool: `sees` for every (token, key) pair."""
+    return sees(kv_pos[None, :], q_pos[:, None], visible_from[:, None], shared_len, kv_len)
+
+
+def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, shared_len, kv_len, sm_scale):
     """q_blk [C, Hq, D]; k/v_seq [Hkv, K, D] -> [C, Hq, D] (float32 math)."""
     c, hq, d = q_blk.shape
     hkv, kv_max, _ = k_seq.shape
     qg = q_blk.astype(jnp.float32).reshape(c, hkv, hq // hkv, d)
     s = jnp.einsum("chgd,hkd->hgck", qg, k_seq.astype(jnp.float32)) * sm_scale
-    mask = visible_mask(q_pos, vis, prefix_len, kv_len, jnp.arange(kv_max))
+    mask = visible_mask(q_pos, vis, shared_len, kv_len, jnp.arange(kv_max))
     s = jnp.where(mask[None, None], s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("hgck,hkd->chgd", p, v_seq.astype(jnp.float32))
@@ -94,7 +99,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMe
                                      sm_scale: float, max_q_len: int, q_block: int = 256):
     """Reference path. Every sequence must have at most `max_q_len` new tokens."""
     q, k_pages, v_pages, md = jax.tree.map(jnp.asarray, (q, k_pages, v_pages, md))
-    check_shapes(q, k_pages, v_pages, md)
+    check_attention_shapes(q, k_pages, v_pages, md)
     t, hq, d = q.shape
     n_seqs, pages_per_seq = md.page_indices.shape
     q_block = min(q_block, max_q_len)
@@ -109,7 +114,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMe
         k_seq = gather_pages(k_pages, layer, md.page_indices[s])
         v_seq = gather_pages(v_pages, layer, md.page_indices[s])
         return _seq_block_attention(q[tok], k_seq, v_seq, q_pos, md.visible_from[tok],
-                                    md.prefix_lens[s], md.kv_lens[s], sm_scale)
+                                    md.shared_lens[s], md.kv_lens[s], sm_scale)
 
     blocks = jax.lax.map(one_block, jnp.arange(n_seqs * n_blocks))
     per_seq = blocks.reshape(n_seqs, n_blocks * q_block, hq, d)

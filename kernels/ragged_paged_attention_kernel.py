@@ -22,9 +22,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import FIRST, LAST, NOOP, AttentionPlan, BlockSizes, num_q_blocks
-from kernels.ragged_paged_attention import AttentionMetadata, check_shapes
+from kernels.ragged_paged_attention import (
+    MASKED,
+    AttentionMetadata,
+    check_attention_shapes,
+    sees,
+)
 
-_MASKED = -1e30
 _SCORES_AHEAD = 2  # KV heads whose scores are computed ahead of a head's softmax
 
 
@@ -40,12 +44,11 @@ def _page_copies(step, slot, refs, *, pages_per_seq, pages_per_block):
     return copies
 
 
-def _mask_bias(first_key, kv_block, pos, vis, prefix_len, kv_len):
+def _mask_bias(first_key, kv_block, pos, vis, shared_len, kv_len):
     """[kv_block, rows]: 0 where the row (at KV position `pos`, seeing the query and keys from
-    `vis` on) sees the key, _MASKED elsewhere: the multi-item mask."""
+    `vis` on) sees the key, MASKED elsewhere: the multi-item mask."""
     col = first_key + jax.lax.broadcasted_iota(jnp.int32, (kv_block, pos.shape[1]), 0)
-    mask = (col <= pos) & ((col < prefix_len) | (col >= vis)) & (col < kv_len)
-    return jnp.where(mask, 0.0, _MASKED)
+    return jnp.where(sees(col, pos, vis, shared_len, kv_len), 0.0, MASKED)
 
 
 def _scores(q, k, bias, scale):
@@ -92,7 +95,7 @@ def _kv_heads(q_ref, k_all, v_all, bias, scale, m_ref, l_ref, acc_ref):
 
 
 def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref, pages_ref,
-            kv_lens_ref, prefix_lens_ref,
+            kv_lens_ref, shared_lens_ref,
             q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm, zeros_ref,
             o_ref,
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
@@ -133,7 +136,7 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
         seq = step_seq_ref[i]
         pos = jnp.where(seq_ref[0] == seq, pos_ref[0], -1)  # [1, rows]: other sequences see none
         bias = _mask_bias(step_kv_ref[i] * kv_block, kv_block, pos, vis_ref[0],
-                          prefix_lens_ref[seq], kv_lens_ref[seq])
+                          shared_lens_ref[seq], kv_lens_ref[seq])
         # k_buf, v_buf [2, pages_per_block, Hkv, page, D]
         _kv_heads(q_ref, k_buf[slot], v_buf[slot], bias, sm_scale * math.log2(math.e), m_ref,
                   l_ref, acc_ref)
@@ -182,7 +185,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                            sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False):
     """Pallas kernel; `md.plan` comes from `build_plan` on the same metadata and block sizes."""
     del max_q_len  # the plan bounds the work
-    check_shapes(q, k_pages, v_pages, md)
+    check_attention_shapes(q, k_pages, v_pages, md)
     plan = md.plan
     if not isinstance(plan, AttentionPlan):
         raise ValueError("the Pallas kernel needs metadata.plan, from attention_plan.build_plan")
@@ -222,6 +225,6 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                                      sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
-      plan.step_kv, plan.step_flags, pages.reshape(-1), md.kv_lens, md.prefix_lens,
+      plan.step_kv, plan.step_flags, pages.reshape(-1), md.kv_lens, md.shared_lens,
       *_in_blocks(q, md, hkv, sizes), k_pages, v_pages, jnp.zeros((n_blocks * bq, hq * d), q.dtype))
     return out[:t].reshape(t, hq, d)

@@ -22,7 +22,7 @@ from kernels.attention_plan import FIRST, AttentionPlan, BlockSizes, num_q_block
 from kernels.ragged_paged_attention import (
     MASKED,
     AttentionMetadata,
-    check_shapes,
+    check_attention_shapes,
     gather_pages,
     visible_mask,
 )
@@ -51,7 +51,7 @@ def _step(i, carry, *, q, k_pages, v_pages, layer, pages, md, rows, plan, sm_sca
     k, v = _block_kv(pages[seq], kv, k_pages, v_pages, layer, kb // k_pages.shape[3])
     s = jnp.einsum("hrd,hkd->hrk", q_block.reshape(hkv, group * bq, d), k.astype(jnp.float32))
     cols = kv * kb + jnp.arange(kb)
-    mask = visible_mask(pos, vis, md.prefix_lens[seq], md.kv_lens[seq], cols)
+    mask = visible_mask(pos, vis, md.shared_lens[seq], md.kv_lens[seq], cols)
     bias = jnp.where(mask, 0.0, MASKED)
     s = (s.reshape(hkv, group, bq, kb) * sm_scale + bias).reshape(hkv, group * bq, kb)
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -68,7 +68,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata
                                sm_scale: float, max_q_len: int, sizes: BlockSizes):
     """`md.plan` comes from `build_plan` on the same metadata and block sizes."""
     del max_q_len  # the plan bounds the work
-    check_shapes(q, k_pages, v_pages, md)
+    check_attention_shapes(q, k_pages, v_pages, md)
     plan = md.plan
     if not isinstance(plan, AttentionPlan):
         raise ValueError("the planned attention needs metadata.plan, from build_plan")

@@ -5,36 +5,20 @@ The layers' weights are stacked and scanned, so compile time does not grow with 
 CPU, the matrices are one array per layer and a switch in the scan picks them).
 """
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from kernels.attention_plan import BlockSizes
-from kernels.kv_write_kernel import write_kv_pages_kernel
-from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
-from kernels.label_gather_kernel import final_norm_label_gather
-from kernels.ragged_paged_attention import (
-    page_blocks,
-    ragged_paged_attention_reference,
-    write_kv_pages,
-)
-from kernels.ragged_paged_attention_kernel import ragged_paged_attention
-from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
+from kernels.ragged_paged_attention import page_blocks
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
 from model.params import head_weight
 from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
-
-
-class Kernels(NamedTuple):
-    write: Callable   # (k_pages, v_pages, layer, k_blocks, v_blocks, page_ids) -> pages
-    attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
-    gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp, num_rows,
-    #                   num_labels) -> (logits, lse)
 
 
 def rope_tables(positions, head_dim: int, theta: float):
@@ -111,7 +95,7 @@ def _pad_head_dim(x, width: int):
     return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
 
 
-def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: ForwardBatch, cos, sin,
+def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch, cos, sin,
            matrices: tuple | None, carry, xs):
     x, cache = carry
     lp, layer = xs
@@ -132,7 +116,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: Kernels, batch: Forward
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
-                  kernels: Kernels, shards: ShardPlan = ShardPlan()):
+                  kernels: KernelSet, shards: ShardPlan = ShardPlan()):
     """Final hidden states [T, H] (before the final norm) and the updated cache; under a
     shard_map when shards.tp > 1."""
     x = embed_tokens(params["embed"], batch.tokens, shards)
@@ -144,39 +128,13 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     return x, cache
 
 
-ATTENTION_BACKENDS = ("reference", "xla", "pallas", "interpret")
-TPU_BACKENDS = ("pallas", "interpret")  # the Pallas kernels, compiled or interpreted
-
-
-def kernel_impl(cfg: ModelConfig, max_q_len: int, backend: str,
-                sizes: BlockSizes | None) -> Kernels:
-    """reference: dense plain JAX, the tests' oracle; xla: the planned XLA loops (CPU, GPU),
-    work following the real rows and visible KV blocks; pallas: the TPU kernels; interpret:
-    the same kernels in the TPU interpreter (CPU tests). All but reference need
-    metadata.plan."""
-    kw = dict(sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len)
-    if backend == "reference":
-        return Kernels(write_kv_pages, functools.partial(ragged_paged_attention_reference, **kw),
-                       final_norm_label_gather_reference)
-    if backend == "xla":
-        return Kernels(write_kv_pages,
-                       functools.partial(ragged_paged_attention_xla, sizes=sizes, **kw),
-                       final_norm_label_gather_xla)
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    interpret = pltpu.InterpretParams() if backend == "interpret" else False
-    return Kernels(
-        functools.partial(write_kv_pages_kernel, interpret=interpret),
-        functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw),
-        functools.partial(final_norm_label_gather, interpret=interpret))
-
-
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
                   max_q_len: int, with_logsumexp: bool, backend: str = "reference",
                   sizes: BlockSizes | None = None, shards: ShardPlan = ShardPlan()):
     """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache.
     With shards.tp > 1, the body of a shard_map (model.sharding.shard_forward)."""
-    kernels = kernel_impl(cfg, max_q_len, backend, sizes)
+    kernels = select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
+                             sizes=sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = gather_labels(

@@ -100,7 +100,7 @@ def gguf_tokenizer(reader: GGUFReader) -> TextTokenizer:
                             for t, kind in zip(tokens, types) if kind == _CONTROL_TOKEN])
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    return TextTokenizer(tok, prefix_ids=[int(bos)] if add_bos and bos is not None else [])
+    return TextTokenizer(tok, start_ids=[int(bos)] if add_bos and bos is not None else [])
 
 
 def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:

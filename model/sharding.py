@@ -77,7 +77,7 @@ def repeat_kv_shapes(shapes: dict, repeat: int) -> dict:
     return {**shapes, "layers": layers}
 
 
-def param_specs(params: dict, plan: ShardPlan) -> dict:
+def param_specs(params: dict, shards: ShardPlan) -> dict:
     def layer_spec(key):
         if key in _COLUMNS:
             return P(None, None, TP_AXIS)
@@ -86,12 +86,12 @@ def param_specs(params: dict, plan: ShardPlan) -> dict:
         return P(None, TP_AXIS) if key in _BIASES else P()
 
     specs = {"layers": {k: layer_spec(k) for k in params["layers"]}, "final_norm": P(),
-             "embed": P(TP_AXIS) if plan.vocab_parallel else P()}
+             "embed": P(TP_AXIS) if shards.vocab_parallel else P()}
     if "layer_matrices" in params:  # one layer's: no leading layer axis
         specs["layer_matrices"] = tuple({k: P(*layer_spec(k)[1:]) for k in matrices}
                                         for matrices in params["layer_matrices"])
     if "head" in params:
-        specs["head"] = P(TP_AXIS) if plan.head_parallel else P()
+        specs["head"] = P(TP_AXIS) if shards.head_parallel else P()
     return specs
 
 
@@ -102,11 +102,11 @@ def _row_major(mesh: Mesh, spec: P, ndim: int) -> Format:
     return Format(Layout(tuple(range(ndim))), NamedSharding(mesh, spec))
 
 
-def param_placements(params: dict, plan: ShardPlan, mesh: Mesh) -> dict:
+def param_placements(params: dict, shards: ShardPlan, mesh: Mesh) -> dict:
     """Each param's sharding on `mesh`. The output head is also pinned row-major: the label
     gather kernels read its rows from HBM, and XLA would store a head whose width is no
     multiple of 128 lanes transposed, then transpose it back for every forward."""
-    specs = param_specs(params, plan)
+    specs = param_specs(params, shards)
     placements = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                               is_leaf=lambda x: isinstance(x, P))
     head = "head" if "head" in params else "embed"
@@ -119,8 +119,8 @@ def cache_placements(mesh: Mesh) -> KVCache:
     return KVCache(*(_row_major(mesh, spec, 5) for spec in CACHE_SPECS))
 
 
-def all_reduce(x, plan: ShardPlan):
-    return jax.lax.psum(x, TP_AXIS) if plan.sharded else x
+def all_reduce(x, shards: ShardPlan):
+    return jax.lax.psum(x, TP_AXIS) if shards.sharded else x
 
 
 def _local_rows(ids, rows: int):
@@ -130,17 +130,17 @@ def _local_rows(ids, rows: int):
     return jnp.clip(local, 0, rows - 1), mine
 
 
-def embed_tokens(embed, tokens, plan: ShardPlan):
-    if not plan.vocab_parallel:
+def embed_tokens(embed, tokens, shards: ShardPlan):
+    if not shards.vocab_parallel:
         return embed[tokens]
     local, mine = _local_rows(tokens, embed.shape[0])
     return jax.lax.psum(jnp.where(mine[:, None], embed[local], 0), TP_AXIS)
 
 
-def gather_labels(gather, hidden, norm, head, label_ids, plan: ShardPlan, **kw):
+def gather_labels(gather, hidden, norm, head, label_ids, shards: ShardPlan, **kw):
     """`gather` (a label-gather kernel) over a vocabulary-split head: each label's logit from
     its shard; the logsumexp from the shards' ones, shifted by their max."""
-    if not plan.head_parallel:
+    if not shards.head_parallel:
         return gather(hidden, norm, head, label_ids, **kw)
     local, mine = _local_rows(label_ids, head.shape[0])
     logits, lse = gather(hidden, norm, head, local, **kw)
@@ -151,9 +151,9 @@ def gather_labels(gather, hidden, norm, head, label_ids, plan: ShardPlan, **kw):
     return logits, top + jnp.log(jax.lax.psum(jnp.exp(lse - top), TP_AXIS))
 
 
-def shard_forward(forward, mesh, params: dict, plan: ShardPlan):
+def shard_forward(forward, mesh, params: dict, shards: ShardPlan):
     """`forward(params, cache, batch)` as one SPMD program over `mesh`'s TP_AXIS: params and
     cache split as planned, the batch and the label logits the same on every shard."""
-    return jax.shard_map(forward, mesh=mesh, in_specs=(param_specs(params, plan), CACHE_SPECS,
+    return jax.shard_map(forward, mesh=mesh, in_specs=(param_specs(params, shards), CACHE_SPECS,
                                                        P()),
                          out_specs=(P(), P(), CACHE_SPECS), check_vma=False)

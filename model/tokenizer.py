@@ -5,9 +5,9 @@ import tokenizers
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, prefix_ids: list[int] | None = None):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, start_ids: list[int] | None = None):
         self._tok = tokenizer
-        self.prefix_ids = _special_prefix(tokenizer) if prefix_ids is None else prefix_ids
+        self.start_ids = _start_ids(tokenizer) if start_ids is None else start_ids
 
     @classmethod
     def from_file(cls, path: str) -> "TextTokenizer":
@@ -35,7 +35,7 @@ class TextTokenizer:
         return self._tok.token_to_id(token)
 
 
-def _special_prefix(tok: tokenizers.Tokenizer) -> list[int]:
+def _start_ids(tok: tokenizers.Tokenizer) -> list[int]:
     """The special tokens the tokenizer's post-processor puts before a text (e.g. BOS)."""
     plain = tok.encode("x", add_special_tokens=False).ids
     full = tok.encode("x", add_special_tokens=True).ids

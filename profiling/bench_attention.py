@@ -33,10 +33,10 @@ from kernels.attention_plan import (
     real_q_blocks,
     visited_kv_blocks,
 )
+from kernels.backends import KERNEL_BACKENDS, select_kernels
 from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from model.decoder import ATTENTION_BACKENDS, kernel_impl
 from profiling.kernel_estimates import attention_estimate
 from profiling.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
@@ -55,7 +55,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("backend", "auto", ["auto", *ATTENTION_BACKENDS],
+    flags.DEFINE_enum("backend", "auto", ["auto", *KERNEL_BACKENDS],
                       "attention implementation (auto: pallas on TPU, xla elsewhere)")
     flags.DEFINE_list("shapes", list(SHAPES), "shapes to run")
     flags.DEFINE_integer("repeats", 3, "timed calls per shape")
@@ -102,7 +102,8 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
             trace_dir: str | None = None):
     cfg = ModelConfig("qwen3", 1, heads.q * heads.dim, 1, 1, heads.q, heads.kv, heads.dim,
                       1e6, 1e-6, 1 << 20)
-    attend = kernel_impl(cfg, max_q_len, backend, sizes).attend
+    attend = select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
+                            sizes=sizes).attend
     rng = np.random.default_rng(0)
     t = batch.tokens.shape[0]
     q = jnp.asarray(rng.standard_normal((t, heads.q, heads.dim)), jnp.bfloat16)

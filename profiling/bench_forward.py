@@ -202,7 +202,7 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                      "v6e_estimate": v6e_estimate(engine, entries, labels, with_lse)
                      if estimate else None})
     return {"model": cfg.family, "layers": cfg.num_layers,
-            "dtype": engine.engine_cfg.dtype, "attention_backend": runner.backend,
+            "dtype": engine.engine_cfg.dtype, "kernel_backend": runner.backend,
             "kv_pool_tokens": runner.num_pages * runner.buckets.page_size,
             "device": jax.devices()[0].device_kind, "with_logsumexp": with_lse,
             "timing": WALL_CLOCK + " of ModelRunner.run",
@@ -222,7 +222,7 @@ def main(argv) -> None:
                  FLAGS.estimate, FLAGS.reference_matmul)
     engine.close()
     print(f"{result['model']} {result['dtype']} on {result['device']} "
-          f"({result['attention_backend']} attention, KV pool of {result['kv_pool_tokens']} "
+          f"({result['kernel_backend']} kernels, KV pool of {result['kv_pool_tokens']} "
           f"tokens); timing: {result['timing']}")
     print("split: op ms per forward; matmul rate: the reference matmul's, timed in turn with "
           "the forward")

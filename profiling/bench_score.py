@@ -98,7 +98,7 @@ async def run(url: str, qps: float, duration: float, num_items: int, query_token
                           query_tokens=query_tokens, item_tokens=item_tokens,
                           num_labels=num_labels, concurrency=concurrency,
                           distinct_queries=distinct_queries, seed=seed),
-            "server": {k: info.get(k) for k in ("model_path", "dtype", "attention_backend")},
+            "server": {k: info.get(k) for k in ("model_path", "dtype", "kernel_backend")},
             "client_cpu": platform.processor() or platform.machine(),
             "timing": "client wall clock, arrival to answer", "server_trace_dir": trace_dir,
             **summary(list(latencies), list(statuses), num_items, elapsed)}

@@ -58,7 +58,7 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
     seconds, and per level of the program (outside the layer loop, one layer) the XLA ops'
     bundles and bytes, the kernels' seconds and the costliest XLA ops. `built`: the batch's
     `v6e_batch`, if the caller has it."""
-    engine_cfg = dataclasses.replace(engine_cfg, attention_backend="auto", warmup=False)
+    engine_cfg = dataclasses.replace(engine_cfg, kernel_backend="auto", warmup=False)
     shape, batch, sizes = built or v6e_batch(cfg, engine_cfg, entries, labels)
     case = dict(model=dataclasses.asdict(cfg), engine=dataclasses.asdict(engine_cfg),
                 shape=dataclasses.asdict(shape), with_lse=with_lse)

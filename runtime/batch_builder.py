@@ -68,12 +68,12 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes
         cu_q_lens=_pad(offsets, shape.seqs + 1, fill=int(offsets[-1])),
         kv_lens=_pad([len(e.seq.tokens) for e in entries], shape.seqs),
         page_indices=table,
-        prefix_lens=_pad([e.seq.prefix_len for e in entries], shape.seqs),
+        shared_lens=_pad([e.seq.shared_len for e in entries], shape.seqs),
         visible_from=_pad([a for e in entries for a in e.seq.visible_from[e.cached:]],
                           shape.tokens))
     if sizes is None:
         return md, offsets
-    plan = build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes,
+    plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
                       shape.steps)
     return md._replace(plan=plan), offsets
 

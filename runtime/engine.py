@@ -169,19 +169,19 @@ class Engine:
             job.future.set_result(ScoreResult([], 0))
             return job.future
         units = self._units(job, req, query, items)
-        self.schedulers[self.router.pick(self._shared_prefix(req, query))].submit(job, units)
+        self.schedulers[self.router.pick(self._routing_key(req, query))].submit(job, units)
         return job.future
 
-    def _chat_prefix(self, req: ScoreRequest) -> list[int]:
+    def _start_ids(self, req: ScoreRequest) -> list[int]:
         """What the tokenizer puts before a text prompt (e.g. BOS); ids come as they are."""
-        return self.tokenizer.prefix_ids if req.is_text else []
+        return self.tokenizer.start_ids if req.is_text else []
 
-    def _shared_prefix(self, req: ScoreRequest, query: list[int]) -> bytes | None:
+    def _routing_key(self, req: ScoreRequest, query: list[int]) -> bytes | None:
         """A digest of what the request's units share and the prefix cache may hold: the
         query, unless items come first."""
         if req.item_first:
             return None
-        tokens = np.asarray(self._chat_prefix(req) + query, np.int64).tobytes()
+        tokens = np.asarray(self._start_ids(req) + query, np.int64).tobytes()
         return hashlib.blake2b(tokens, digest_size=16).digest()
 
     def _labels(self, req: ScoreRequest) -> list[int]:
@@ -211,13 +211,13 @@ class Engine:
     def _units(self, job: Job, req: ScoreRequest, query, items) -> list[Unit]:
         """item_first: one causal sequence per item; otherwise multi-item sequences of the
         query and as many items as one forward takes."""
-        prefix = self._chat_prefix(req)
+        start = self._start_ids(req)
         if req.item_first:
-            seqs = [causal_sequence(prefix + item + query) for item in items]
+            seqs = [causal_sequence(start + item + query) for item in items]
             for k, s in enumerate(seqs):
                 self._prompt_check(len(s.tokens), k)
             return [Unit(job, s, [k]) for k, s in enumerate(seqs)]
-        head = prefix + query
+        head = start + query
         for k, item in enumerate(items):
             self._prompt_check(len(head) + len(item), k)
         ec = self.engine_cfg

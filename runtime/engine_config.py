@@ -4,8 +4,8 @@ import dataclasses
 import jax
 
 from kernels.attention_plan import BlockSizes, default_block_sizes
+from kernels.backends import KERNEL_BACKENDS
 from model.config import ModelConfig
-from model.decoder import ATTENTION_BACKENDS
 from model.loader import DTYPES, checkpoint_dtype
 from runtime.buckets import ShapeBuckets, pages_needed
 
@@ -22,7 +22,7 @@ class EngineConfig:
     mem_fraction: float = 0.8       # share of accelerator memory for params, pool and temp
     prefix_cache: bool = True
     warmup: bool = True             # compile every shape bucket at start-up
-    attention_backend: str = "auto"  # "auto": the Pallas kernels on TPU, the XLA path elsewhere
+    kernel_backend: str = "auto"    # "auto": the Pallas kernels on TPU, the XLA path elsewhere
     q_block: int = 0                # attention block sizes; 0: from the table for this device
     kv_block: int = 0
     tp_size: int = 1                # devices per replica: one tensor-parallel mesh
@@ -35,8 +35,8 @@ class EngineConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got "
                              f"{self.dtype!r}")
-        if self.attention_backend not in ("auto",) + ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}")
+        if self.kernel_backend not in ("auto",) + KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be auto or one of {KERNEL_BACKENDS}")
         positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",
                     "tp_size", "dp_size")
         if any(getattr(self, name) <= 0 for name in positive) or not 0 < self.mem_fraction <= 1:
@@ -73,8 +73,8 @@ class EngineConfig:
 
     def backend(self, device) -> str:
         """The kernels for `device` (a jax Device, or a deviceless topology's)."""
-        if self.attention_backend != "auto":
-            return self.attention_backend
+        if self.kernel_backend != "auto":
+            return self.kernel_backend
         return "pallas" if device.platform == "tpu" else "xla"
 
     def block_sizes(self, device) -> BlockSizes | None:

@@ -9,7 +9,7 @@ class Sequence:
     tokens: Tokens
     positions: list[int]     # RoPE positions
     visible_from: list[int]  # a(i) per token
-    prefix_len: int          # L: KV positions every token sees
+    shared_len: int          # L: KV positions every token sees (a multi-item query)
     score_rows: list[int]    # indices into tokens of the rows to score, one per item
 
 
@@ -20,16 +20,16 @@ def causal_sequence(prompt: Tokens) -> Sequence:
 
 def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
     """query, item_1, ..., item_N in one sequence; item k attends to the query and itself."""
-    prefix = len(query)
-    tokens, positions, visible = list(query), list(range(prefix)), [0] * prefix
+    shared = len(query)
+    tokens, positions, visible = list(query), list(range(shared)), [0] * shared
     rows = []
     for item in items:
         start = len(tokens)
         tokens += item
-        positions += range(prefix, prefix + len(item))
+        positions += range(shared, shared + len(item))
         visible += [start] * len(item)
-        rows.append(len(tokens) - 1 if item else prefix - 1)
-    return Sequence(tokens, positions, visible, prefix, rows)
+        rows.append(len(tokens) - 1 if item else shared - 1)
+    return Sequence(tokens, positions, visible, shared, rows)
 
 
 def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: int) -> list[range]:
@@ -46,8 +46,8 @@ def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: in
     return chunks
 
 
-def causal_prefix_len(seq: Sequence) -> int:
-    """Leading tokens whose K/V are those of a plain causal prompt (prefix-cacheable):
+def cacheable_len(seq: Sequence) -> int:
+    """Leading tokens whose K/V are those of a plain causal prompt (the prefix cache may hold them):
     the query of a multi-item sequence (and its first item if the query is empty)."""
     for i, (pos, vis) in enumerate(zip(seq.positions, seq.visible_from)):
         if pos != i or vis != 0:

@@ -18,7 +18,7 @@ from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.errors import ScoreError
 from runtime.job import Job, Unit
 from runtime.model_runner import ModelRunner
-from runtime.packing import causal_prefix_len
+from runtime.packing import cacheable_len
 from runtime.pages import PagePool
 from runtime.prefix_cache import PrefixCache
 
@@ -37,7 +37,7 @@ class Scheduler:
         self.runner = runner
         self.buckets: ShapeBuckets = runner.buckets
         self.pool = PagePool(runner.num_pages)
-        self.prefix = PrefixCache(self.pool, self.buckets.page_size) if prefix_cache else None
+        self.prefix_cache = PrefixCache(self.pool, self.buckets.page_size) if prefix_cache else None
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Unit] = collections.deque()
         self._running: list[ScheduledSeq] = []
@@ -75,12 +75,12 @@ class Scheduler:
         """The page invariant: counts equal holders (running sequences and the cache)."""
         with self._cond:
             holders = [e.pages for e in self._running]
-            self.pool.check(holders + ([self.prefix.pages()] if self.prefix else []))
+            self.pool.check(holders + ([self.prefix_cache.pages()] if self.prefix_cache else []))
 
     def flush_prefix_cache(self) -> int:
         """Drops every cached prefix nobody is using; returns the pages freed."""
         with self._cond:
-            return self.prefix.evict(self.pool.num_pages) if self.prefix else 0
+            return self.prefix_cache.evict(self.pool.num_pages) if self.prefix_cache else 0
 
     def _loop(self) -> None:
         while True:
@@ -121,22 +121,22 @@ class Scheduler:
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
         """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
-        size, shareable = self.buckets.page_size, causal_prefix_len(seq)
+        size, shareable = self.buckets.page_size, cacheable_len(seq)
         reusable = min(min(seq.score_rows), shareable) // size
-        cached = self.prefix.match(seq.tokens, reusable) if self.prefix else []
+        cached = self.prefix_cache.match(seq.tokens, reusable) if self.prefix_cache else []
         new = pages_needed(len(seq.tokens), size) - len(cached)
         if len(seq.tokens) - len(cached) * size > token_budget or not self._make_room(new):
             self.pool.release(cached)
             return None
         pages = cached + self.pool.allocate(new)
-        if self.prefix:
-            self.prefix.insert(seq.tokens, pages[:shareable // size])
+        if self.prefix_cache:
+            self.prefix_cache.insert(seq.tokens, pages[:shareable // size])
         return ScheduledSeq(seq, pages, len(cached) * size)
 
     def _make_room(self, pages: int) -> bool:
         short = pages - self.pool.free_count
-        if short > 0 and self.prefix:
-            self.prefix.evict(short)
+        if short > 0 and self.prefix_cache:
+            self.prefix_cache.evict(short)
         return pages <= self.pool.free_count
 
     def _run(self, batch: list[tuple[Unit, ScheduledSeq]]) -> None:
@@ -183,9 +183,9 @@ class Scheduler:
 
     def _fail(self, batch, error: Exception) -> None:
         self.stats.failed_forwards += 1
-        if self.prefix:  # its pages may hold K/V never written, or the cache was rebuilt
+        if self.prefix_cache:  # its pages may hold K/V never written, or the cache was rebuilt
             with self._cond:
-                self.prefix.clear()
+                self.prefix_cache.clear()
         message = f"the forward pass failed: {type(error).__name__}: {error}"
         for unit, _ in batch:
             unit.job.fail(ScoreError(message, status=500))

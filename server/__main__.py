@@ -9,7 +9,7 @@ import signal
 import jax
 from absl import app, flags, logging
 
-from model.decoder import ATTENTION_BACKENDS
+from kernels.backends import KERNEL_BACKENDS
 from runtime.cli_flags import parse_flags
 from runtime.distributed import DistConfig
 from runtime.engine import Engine
@@ -69,8 +69,10 @@ def define_flags() -> None:
                          "entry in the block-size table")
     flags.DEFINE_integer("kv_block", 0, "attention: KV positions per block, a multiple of "
                          "--page-size; 0: the device's entry in the block-size table")
-    flags.DEFINE_enum("attention_backend", "auto", ["auto", *ATTENTION_BACKENDS],
-                      "auto: the Pallas kernels on TPU, the planned XLA path elsewhere")
+    flags.DEFINE_enum("kernel_backend", "auto", ["auto", *KERNEL_BACKENDS],
+                      "the KV write, attention and label gather kernels: auto: the Pallas "
+                      "kernels on TPU, the planned XLA path elsewhere")
+    flags.DEFINE_alias("attention_backend", "kernel_backend")  # SGLang's name
     flags.DEFINE_integer("tp_size", 1, "devices per replica: attention heads, MLP and "
                          "vocabulary split over them")
     flags.DEFINE_integer("dp_size", 1, "replicas, each on its own --tp-size devices: a request "
@@ -88,7 +90,7 @@ def engine_config() -> EngineConfig:
         max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
-        attention_backend=FLAGS.attention_backend, q_block=FLAGS.q_block,
+        kernel_backend=FLAGS.kernel_backend, q_block=FLAGS.q_block,
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
         rerank_template=FLAGS.rerank_template,
         program_cache_dir=os.path.join(FLAGS.compile_cache_dir, "programs")

@@ -11,7 +11,7 @@ import jax
 from absl import logging
 
 from runtime.engine import Engine
-from runtime.errors import ScoreError
+from runtime.errors import STATUSES, ScoreError
 from runtime.request import RerankRequest, parse_rerank_request, parse_score_request
 from runtime.rerank import RerankResult
 from server.http import (
@@ -186,7 +186,7 @@ class ScoreServer:
             allowed = ("GET", "HEAD") if route[0] == "GET" else (route[0],)
             if req.method not in allowed:
                 return Answer(405, error_body(f"{req.path} allows only {' and '.join(allowed)}",
-                                              405, ScoreError.TYPES[405]),
+                                              405, STATUSES[405][1]),
                               [f"Allow: {', '.join(allowed)}"])
             answer = await route[1](req, gone)
             return answer if isinstance(answer, Answer) else Answer(200, answer, [])
@@ -271,7 +271,7 @@ class ScoreServer:
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
-                "attention_backend": self.engine.runner.backend,
+                "kernel_backend": self.engine.runner.backend,
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
                 "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}

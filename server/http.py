@@ -5,12 +5,7 @@ import json
 import re
 import urllib.parse
 
-from runtime.errors import ScoreError
-
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
-           417: "Expectation Failed", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable"}
+from runtime.errors import STATUSES, ScoreError
 
 
 @dataclasses.dataclass
@@ -225,7 +220,7 @@ def encode_response(status: int, payload, keep_alive: bool, extra_headers=(),
                     content_type: str = "application/json", head_only: bool = False) -> bytes:
     """`payload`: JSON-able, or bytes sent as they are; `head_only` (HEAD) sends no body."""
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}",
+    head = [f"HTTP/1.1 {status} {STATUSES[status][0]}",
             f"Content-Type: {content_type}", f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}", *extra_headers]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else body)

@@ -30,7 +30,7 @@ def random_batch(rng, specs, *, hq, hkv, d, page_size, dtype, layers=2, num_page
     md = AttentionMetadata(
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
         kv_lens=jnp.asarray(kv_lens, jnp.int32), page_indices=jnp.asarray(tables, jnp.int32),
-        prefix_lens=jnp.asarray(prefixes, jnp.int32),
+        shared_lens=jnp.asarray(prefixes, jnp.int32),
         visible_from=jnp.asarray(vis + [0] * pad_tokens, jnp.int32))
     q = jnp.asarray(rng.standard_normal((n_tokens, hq, d)), dtype)
     k = jnp.asarray(rng.standard_normal(shape), dtype)

@@ -29,7 +29,7 @@ from tests.attention_cases import random_batch
 
 def plan_for(md, sizes, extra=0):
     """The exact plan, or one padded by `extra` steps."""
-    args = (md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, sizes)
+    args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
     exact = build_plan(*args)
     if not extra:
         return exact
@@ -136,7 +136,7 @@ def brute_force_blocks(md, sizes):
         s, b = int(plan.token_seq[t]), int(t) // sizes.q_block
         kv_pos = np.arange(int(md.kv_lens[s]))
         seen = np.asarray(visible_mask(plan.token_pos[t:t + 1], md.visible_from[t:t + 1],
-                                       int(md.prefix_lens[s]), int(md.kv_lens[s]), kv_pos))[0]
+                                       int(md.shared_lens[s]), int(md.kv_lens[s]), kv_pos))[0]
         needed.setdefault((b, s), set()).update(kv_pos[seen] // sizes.kv_block)
     return plan, {key: sorted(blocks) for key, blocks in needed.items()}
 
@@ -150,7 +150,7 @@ def plan_segments(plan):
     return steps
 
 
-def test_sixty_four_items_visit_only_prefix_and_own_item_blocks():
+def test_sixty_four_items_visit_only_query_and_own_item_blocks():
     items = [18] * 64
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("items", 120, items)], hq=1,
                                   hkv=1, d=8, page_size=16, dtype=jnp.float32)
@@ -202,7 +202,7 @@ def test_plan_larger_than_its_padding_is_refused():
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
                                   page_size=8, dtype=jnp.float32)
     with pytest.raises(ValueError, match="15 steps"):
-        build_plan(md.cu_q_lens, md.kv_lens, md.prefix_lens, md.visible_from, BlockSizes(8, 8),
+        build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, BlockSizes(8, 8),
                    max_steps=14)
 
 

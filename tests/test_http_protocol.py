@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from runtime.errors import STATUSES
 from server.app import ServerConfig
 from server.http import Limits
 from tests.server_harness import (
@@ -61,7 +62,9 @@ def test_chunked_body_scores_like_content_length(port):
     (b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n10001\r\n", 413),
     (b"POST /v1/score HTTP/1.1\r\nExpect: magic\r\nContent-Length: 2\r\n\r\n{}", 417)])
 def test_bad_transfer_codings_get_errors(port, data, status):
-    assert raw_exchange(port, data).startswith(b"HTTP/1.1 %d " % status)
+    answer = raw_exchange(port, data)
+    assert answer.startswith(b"HTTP/1.1 %d " % status)
+    assert json_of(answer)["type"] == STATUSES[status][1] != "Error"
     assert call(port, "GET", "/health")[0] == 200
 
 
@@ -209,6 +212,7 @@ def test_a_request_head_over_the_limit_gets_431(engines):
         big = b"GET /health HTTP/1.1\r\nX-Big: " + b"y" * 2000 + b"\r\n\r\n"
         answer = raw_exchange(p, big)
         assert answer.startswith(b"HTTP/1.1 431 ") and b"request head too large" in answer
+        assert json_of(answer)["type"] == "RequestHeaderFieldsTooLarge"
         fits = b"GET /health HTTP/1.1\r\nX-Big: " + b"y" * 900 + b"\r\n\r\n"
         assert raw_exchange(p, fits + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n"
                             ).startswith(b"HTTP/1.1 200 ")

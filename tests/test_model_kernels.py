@@ -14,9 +14,9 @@ from tests.conftest import small_config
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_cls"])
 def test_model_on_planned_paths_equals_reference_path(model_dirs, engines, family):
-    reference = Engine.from_path(model_dirs[family], small_config(attention_backend="reference"))
+    reference = Engine.from_path(model_dirs[family], small_config(kernel_backend="reference"))
     interp = Engine.from_path(model_dirs[family], small_config(
-        attention_backend="interpret", q_block=8, kv_block=16))
+        kernel_backend="interpret", q_block=8, kv_block=16))
     gpu_blocks = Engine.from_path(model_dirs[family], small_config(q_block=512, kv_block=1024))
     assert engines[family].runner.backend == "xla"
     args = ("Answer Yes or No:", ["", " Paris", " the flag of Tokyo"], [3, 4, 3])

@@ -51,8 +51,8 @@ def test_token_id_inputs_match_numpy(engines, numpy_models, family):
 def test_bos_only_at_prompt_start(engines, model_dirs):
     llama = engines["llama"]
     bos = tokenizers.Tokenizer.from_file(f"{model_dirs['llama']}/tokenizer.json").token_to_id("<s>")
-    assert llama.tokenizer.prefix_ids == [bos]
-    assert engines["qwen3"].tokenizer.prefix_ids == []
+    assert llama.tokenizer.start_ids == [bos]
+    assert engines["qwen3"].tokenizer.start_ids == []
     assert bos not in llama.tokenizer.encode("a query")
 
 

@@ -56,7 +56,7 @@ def test_multi_item_sequence_layout():
     assert seq.tokens == [10, 11, 12, 20, 21, 30]
     assert seq.positions == [0, 1, 2, 3, 4, 3]
     assert seq.visible_from == [0, 0, 0, 3, 3, 5]
-    assert seq.prefix_len == 3
+    assert seq.shared_len == 3
     assert seq.score_rows == [4, 2, 5]
 
 

@@ -81,7 +81,7 @@ def test_vocabulary_that_does_not_split_stays_whole(make, tmp_path):
 
 
 def test_pallas_kernels_in_shard_map_run_in_the_tpu_interpreter(engines, make):
-    engine = make("qwen2", tp_size=2, attention_backend="interpret")
+    engine = make("qwen2", tp_size=2, kernel_backend="interpret")
     req = dict(query=[3, 1, 4, 1, 5, 9, 2, 6, 5], items=[[3, 5], [8, 9, 7, 9]],
                label_token_ids=LABELS)  # logsumexp: the streamed kernel per vocabulary shard
     assert_same_scores([engine.score(**req).scores], [engines["qwen2"].score(**req).scores],

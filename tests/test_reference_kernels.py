@@ -55,7 +55,7 @@ def test_attention_reference_matches_mask_rule():
     cu = np.cumsum([0] + [s["q_len"] for s in seqs] + [0]).astype(np.int32)
     md = AttentionMetadata(
         cu_q_lens=jnp.asarray(cu), kv_lens=jnp.array([s["kv_len"] for s in seqs] + [0]),
-        page_indices=jnp.asarray(tables), prefix_lens=jnp.array([s["prefix"] for s in seqs] + [0]),
+        page_indices=jnp.asarray(tables), shared_lens=jnp.array([s["prefix"] for s in seqs] + [0]),
         visible_from=jnp.array(sum((s["vis"] for s in seqs), []) + [0] * 3))
     got = ragged_paged_attention_reference(jnp.asarray(q), k_pages, v_pages, 1, md,
                                            sm_scale=D ** -0.5, max_q_len=16, q_block=8)
@@ -96,32 +96,27 @@ def test_attention_rejects_bad_shapes():
                                          sm_scale=1.0, max_q_len=4)
 
 
-def numpy_label_gather(hidden, norm_w, head, labels, eps, scale=1.0, softcap=None):
+def numpy_label_gather(hidden, norm_w, head, labels, eps):
     x = hidden / np.sqrt(np.mean(hidden ** 2, -1, keepdims=True) + eps) * norm_w
-    logits = x @ head.T * scale
-    if softcap:
-        logits = softcap * np.tanh(logits / softcap)
+    logits = x @ head.T
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     return np.take_along_axis(logits, labels, 1), lse
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("repeats", [1, 4])  # 4 labels read rows; 16 labels read the whole head
-def test_label_gather_reference(softcap, repeats):
+def test_label_gather_reference(repeats):
     rng = np.random.default_rng(1)
     hidden = rng.standard_normal((7, 32)).astype(np.float32)
     norm_w = rng.standard_normal(32).astype(np.float32)
     head = rng.standard_normal((301, 32)).astype(np.float32)
     labels = np.array([[0, 300, 5, 5] * repeats] * 7, np.int32)  # duplicates, the last row
-    want, want_lse = numpy_label_gather(hidden, norm_w, head, labels, 1e-6, 0.5, softcap)
+    want, want_lse = numpy_label_gather(hidden, norm_w, head, labels, 1e-6)
     got, lse = final_norm_label_gather_reference(hidden, norm_w, head, labels, eps=1e-6,
-                                                 with_logsumexp=True, logit_scale=0.5,
-                                                 softcap=softcap)
+                                                 with_logsumexp=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
     only_labels, none = final_norm_label_gather_reference(
-        hidden, norm_w, head, labels, eps=1e-6, with_logsumexp=False, logit_scale=0.5,
-        softcap=softcap)
+        hidden, norm_w, head, labels, eps=1e-6, with_logsumexp=False)
     assert none is None
     np.testing.assert_allclose(only_labels, got, rtol=1e-6)
 

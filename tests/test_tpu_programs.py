@@ -103,7 +103,7 @@ def test_a_pool_that_cannot_hold_one_batch_is_refused():
 @pytest.mark.parametrize("backend, tp", [("xla", 1), ("xla", 3), ("reference", 1)])
 def test_cpu_programs_update_the_pool_in_place(backend, tp):
     """The same rule off TPU: temp does not grow with the pool."""
-    engine_cfg = EngineConfig(attention_backend=backend, tp_size=tp, max_prefill_tokens=512)
+    engine_cfg = EngineConfig(kernel_backend=backend, tp_size=tp, max_prefill_tokens=512)
     programs = server_programs(engine_cfg, load_config(None), jax.devices()[:tp], POOL_PAGES)
     for with_lse in (False, True):
         assert_in_place(programs, programs.get(programs.buckets.shape(512), with_lse))

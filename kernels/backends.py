@@ -1,0 +1,48 @@
+"""Which implementation runs each of the forward's three kernels: the KV write, the ragged
+paged attention and the final-norm label gather. One backend picks all three."""
+import functools
+from typing import Callable, NamedTuple
+
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.attention_plan import BlockSizes
+from kernels.kv_write_kernel import write_kv_pages_kernel
+from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
+from kernels.label_gather_kernel import final_norm_label_gather
+from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+
+KERNEL_BACKENDS = ("reference", "xla", "pallas", "interpret")
+TPU_BACKENDS = ("pallas", "interpret")  # the Pallas kernels, compiled or interpreted
+
+
+class KernelSet(NamedTuple):
+    write: Callable   # (k_pages, v_pages, layer, k_blocks, v_blocks, page_ids) -> pages
+    attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
+    gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp, num_rows,
+    #                   num_labels) -> (logits, lse)
+
+
+def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
+                   sizes: BlockSizes | None) -> KernelSet:
+    """reference: dense plain JAX, the tests' oracle; xla: the planned XLA loops (CPU, GPU),
+    work following the real rows and visible KV blocks; pallas: the TPU kernels; interpret:
+    the same kernels in the TPU interpreter (CPU tests). All but reference need
+    metadata.plan."""
+    kw = dict(sm_scale=sm_scale, max_q_len=max_q_len)
+    if backend == "reference":
+        return KernelSet(write_kv_pages,
+                         functools.partial(ragged_paged_attention_reference, **kw),
+                         final_norm_label_gather_reference)
+    if backend == "xla":
+        return KernelSet(write_kv_pages,
+                         functools.partial(ragged_paged_attention_xla, sizes=sizes, **kw),
+                         final_norm_label_gather_xla)
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+    interpret = pltpu.InterpretParams() if backend == "interpret" else False
+    return KernelSet(
+        functools.partial(write_kv_pages_kernel, interpret=interpret),
+        functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw),
+        functools.partial(final_norm_label_gather, interpret=interpret))
