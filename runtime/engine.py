@@ -18,7 +18,7 @@ from runtime.errors import ScoreError
 from runtime.forward_programs import server_programs
 from runtime.job import Job, ScoreResult, Unit
 from runtime.model_runner import ModelRunner
-from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
+from runtime.packing import Sequence, causal_sequence, item_chunks, multi_item_sequence
 from runtime.pool_size import DeviceMemory, kv_pool_pages
 from runtime.request import (
     RerankRequest,
@@ -52,14 +52,14 @@ class Engine:
         if multihost and engine_cfg.dp_size > 1:
             raise ValueError("--dp-size > 1 across hosts is not supported: run one server per "
                              "host group behind a load balancer")
-        groups = engine_cfg.device_groups()
+        groups = engine_cfg.device_groups(jax.devices())
         device, dtype = groups[0][0], DTYPES[engine_cfg.dtype]
         backend, buckets = engine_cfg.backend(device), engine_cfg.buckets(cfg, device)
         probe = functools.partial(server_programs, engine_cfg, cfg, groups[0])
         pages = kv_pool_pages(engine_cfg, probe, DeviceMemory.of(device))
         if multihost:
             pages = agree(pages)
-        logging.info("replicas: %d of %d %s device(s), %s attention; KV pool: %d pages of %d "
+        logging.info("replicas: %d of %d %s device(s), %s kernels; KV pool: %d pages of %d "
                      "tokens each", len(groups), len(groups[0]), device.device_kind, backend,
                      pages, engine_cfg.page_size)
         self.channel = StepChannel(buckets, pages) if multihost else None
@@ -86,13 +86,13 @@ class Engine:
         """One line for the start-up log: model, dtype, kernels, devices, KV pool."""
         runner, ec = self.runner, self.engine_cfg
         device = runner.mesh.devices.flat[0]
-        return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} attention, {ec.dp_size} "
+        return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} kernels, {ec.dp_size} "
                 f"replica(s) of {ec.tp_size} {device.platform} device(s) ({device.device_kind}),"
                 f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica")
 
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):
-        engine_cfg = engine_cfg.resolve_dtype(model_path)
+        engine_cfg = engine_cfg.resolve_dtype(model_path, jax.devices()[0].platform)
         cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype)
         return cls(cfg, params, tokenizer, engine_cfg)
 
@@ -164,11 +164,12 @@ class Engine:
         labels = self._labels(req)
         with jax.profiler.TraceAnnotation("tokenize"):
             query, items = self._tokenize(req)
-        job = Job(labels, len(items), req.apply_softmax, self.cfg.is_classifier)
+        parts = self._sequences(req, query, items)
+        job = Job(labels, len(items), len(parts), req.apply_softmax, self.cfg.is_classifier)
         if not items:
             job.future.set_result(ScoreResult([], 0))
             return job.future
-        units = self._units(job, req, query, items)
+        units = [Unit(job, seq, scored) for seq, scored in parts]
         self.schedulers[self.router.pick(self._routing_key(req, query))].submit(job, units)
         return job.future
 
@@ -208,23 +209,23 @@ class Engine:
             raise ScoreError(f"the prompt of items[{k}] has {n} tokens, more than the "
                              f"maximum of {self.max_prompt_tokens}")
 
-    def _units(self, job: Job, req: ScoreRequest, query, items) -> list[Unit]:
-        """item_first: one causal sequence per item; otherwise multi-item sequences of the
-        query and as many items as one forward takes."""
+    def _sequences(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, list[int]]]:
+        """The request's sequences, each with the items it scores. item_first: one causal
+        sequence per item; otherwise multi-item sequences of the query and as many items as
+        one forward takes."""
         start = self._start_ids(req)
         if req.item_first:
             seqs = [causal_sequence(start + item + query) for item in items]
             for k, s in enumerate(seqs):
                 self._prompt_check(len(s.tokens), k)
-            return [Unit(job, s, [k]) for k, s in enumerate(seqs)]
+            return [(s, [k]) for k, s in enumerate(seqs)]
         head = start + query
         for k, item in enumerate(items):
             self._prompt_check(len(head) + len(item), k)
         ec = self.engine_cfg
         chunks = item_chunks(len(head), [len(i) for i in items], ec.max_prefill_tokens,
                              ec.max_rows)
-        return [Unit(job, multi_item_sequence(head, [items[k] for k in c]), list(c))
-                for c in chunks]
+        return [(multi_item_sequence(head, [items[k] for k in c]), list(c)) for c in chunks]
 
 
 def _reranker(name: str, tokenizer: TextTokenizer,

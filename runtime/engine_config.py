@@ -1,8 +1,6 @@
 """Runtime configuration, validated once, and the sizes derived from it and the model."""
 import dataclasses
 
-import jax
-
 from kernels.attention_plan import BlockSizes, default_block_sizes
 from kernels.backends import KERNEL_BACKENDS
 from model.config import ModelConfig
@@ -49,11 +47,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one batch: "
                              f"at least {self.min_kv_tokens} are needed")
 
-    def resolve_dtype(self, model_path: str | None) -> "EngineConfig":
+    def resolve_dtype(self, model_path: str | None, platform: str) -> "EngineConfig":
         """With dtype auto: float32 on CPU, the checkpoint's dtype on accelerators."""
         if self.dtype != "auto":
             return self
-        platform = self.device_groups()[0][0].platform
         dtype = "float32" if platform == "cpu" else checkpoint_dtype(model_path)
         return dataclasses.replace(self, dtype=dtype)
 
@@ -63,12 +60,12 @@ class EngineConfig:
         pages = pages_needed(self.max_prefill_tokens, self.page_size) + self.max_seqs
         return pages * self.page_size
 
-    def device_groups(self) -> list[list]:
-        """dp_size disjoint groups of tp_size devices, in jax.devices() order."""
-        devices, tp, need = jax.devices(), self.tp_size, self.tp_size * self.dp_size
+    def device_groups(self, devices: list) -> list[list]:
+        """dp_size disjoint groups of tp_size of `devices`, in their order."""
+        tp, need = self.tp_size, self.tp_size * self.dp_size
         if need > len(devices):
             raise ValueError(f"--tp-size {tp} x --dp-size {self.dp_size} needs {need} devices; "
-                             f"{len(devices)} {jax.default_backend()} devices are visible")
+                             f"{len(devices)} {devices[0].platform} devices are visible")
         return [devices[r * tp:(r + 1) * tp] for r in range(self.dp_size)]
 
     def backend(self, device) -> str:

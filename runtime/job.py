@@ -27,18 +27,19 @@ def label_scores(logits: np.ndarray, lse: np.ndarray, apply_softmax: bool,
 
 @dataclasses.dataclass(eq=False)
 class Job:
+    """Answered when its `n_units` units are done; only `unit_done` and `fail` change it."""
     labels: list[int]
     n_items: int
+    n_units: int
     apply_softmax: bool
     is_classifier: bool
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
-    pending: int = 0        # units not finished
-    prompt_tokens: int = 0
 
     def __post_init__(self):
         self.logits = np.zeros((self.n_items, len(self.labels)))
         self.lse = np.zeros(self.n_items)
+        self._pending, self._prompt_tokens = self.n_units, 0
 
     @property
     def with_lse(self) -> bool:
@@ -49,12 +50,14 @@ class Job:
         """False once cancelled, failed or answered: its remaining units are dropped."""
         return not self.future.done()
 
-    def unit_done(self, items: list[int], logits: np.ndarray, lse: np.ndarray) -> None:
+    def unit_done(self, items: list[int], logits: np.ndarray, lse: np.ndarray,
+                  prompt_tokens: int) -> None:
         self.logits[items], self.lse[items] = logits[:, :len(self.labels)], lse
-        self.pending -= 1
-        if self.pending == 0:
+        self._pending, self._prompt_tokens = self._pending - 1, self._prompt_tokens + prompt_tokens
+        if self._pending == 0:
             scores = label_scores(self.logits, self.lse, self.apply_softmax, self.is_classifier)
-            self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(), self.prompt_tokens)))
+            self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(),
+                                                            self._prompt_tokens)))
 
     def fail(self, error: ScoreError) -> None:
         self._settle(lambda f: f.set_exception(error))

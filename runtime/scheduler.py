@@ -47,7 +47,6 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job, units: list[Unit]) -> None:
-        job.pending = len(units)
         with self._cond:
             if self._closed:
                 raise ScoreError("the server is shutting down", status=503)
@@ -177,8 +176,8 @@ class Scheduler:
             n = len(unit.items)
             self.stats.computed_tokens += entry.new_tokens
             self.stats.cached_tokens += entry.cached
-            unit.job.prompt_tokens += len(unit.seq.tokens)
-            unit.job.unit_done(unit.items, logits[row:row + n], lse[row:row + n])
+            unit.job.unit_done(unit.items, logits[row:row + n], lse[row:row + n],
+                               len(unit.seq.tokens))
             row += n
 
     def _fail(self, batch, error: Exception) -> None:

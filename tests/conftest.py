@@ -3,17 +3,19 @@ import os
 import pytest
 
 from runtime.engine import Engine
-from runtime.engine_config import EngineConfig
 from tests.numpy_decoder import NumpyDecoder
-from tests.tiny_models import FAMILIES, write_checkpoint
+from tests.tiny_models import FAMILIES, small_config, write_checkpoint
 
-# Eight CPU devices for the tensor and data parallel tests; set before JAX starts its backend.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-# The compile tests open libtpu for a deviceless TPU topology (profiling.tpu_compile); libtpu
-# allows one process at a time unless told otherwise, and the suite's subprocesses (servers,
-# multi-host nodes) load it too. There is no TPU here for two processes to contend for.
-os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+
+def pytest_configure(config):
+    """Before any test module is imported, and JAX's backend with it: eight CPU devices for the
+    tensor and data parallel tests. The compile tests open libtpu for a deviceless TPU topology
+    (profiling.tpu_compile); libtpu allows one process at a time unless told otherwise, and the
+    suite's subprocesses (servers, multi-host nodes) load it too. There is no TPU here for two
+    processes to contend for."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,12 +34,6 @@ def user_cache_dir(tmp_path_factory):
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {f: write_checkpoint(str(root / f), f, seed=i) for i, f in enumerate(FAMILIES)}
-
-
-def small_config(**overrides) -> EngineConfig:
-    """The tests' engine: small budgets, compiled on demand (warm-up has its own tests)."""
-    return EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
-                                  warmup=False), **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from runtime.engine import Engine
 from runtime.errors import ScoreError
 from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
-from tests.conftest import small_config
 from tests.gated_runner import GatedRunner
+from tests.tiny_models import VOCAB, small_config
 
 
 @pytest.fixture
@@ -74,8 +74,8 @@ def test_pages_balance_after_random_faults_and_cancellations(engine, monkeypatch
     faults = rng.random(200) < 0.3
     gate = GatedRunner(engine.runner, monkeypatch, fail=lambda call: faults[call])
     gate.release.set()
-    reqs = [request(rng.integers(0, 320, int(rng.integers(1, 40))).tolist(),
-                    [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(0, 9, 1 + k % 6)],
+    reqs = [request(rng.integers(0, VOCAB, int(rng.integers(1, 40))).tolist(),
+                    [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(0, 9, 1 + k % 6)],
                     item_first=bool(k % 3 == 0), apply_softmax=bool(k % 2))
             for k in range(24)]
     futures = [engine.submit(r) for r in reqs]

@@ -11,6 +11,7 @@ import pytest
 from server.app import ServerConfig
 from server.http import Limits
 from tests.server_harness import OK, assert_error, call, metrics_lines, serving
+from tests.tiny_models import VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ BAD_BODIES = [
     ({"query": "q", "items": ["a"], "label_token_ids": [1.5]}, "label_token_ids must be"),
     ({"query": "q", "items": ["a"], "label_token_ids": [True]}, "label_token_ids must be"),
     ({"query": "q", "items": ["a"], "label_token_ids": [-1]}, "token id -1"),
-    ({"query": "q", "items": ["a"], "label_token_ids": [320]}, "token id 320"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [VOCAB]}, f"token id {VOCAB}"),
     ({"query": "q", "items": ["a"], "label_token_ids": [10**30]}, f"token id {10**30}"),
     ({"query": "q", "items": [[1, 2]], "label_token_ids": [1]}, "both be text or both"),
     ({"query": [1, 2], "items": ["a"], "label_token_ids": [1]}, "both be text or both"),
@@ -125,7 +126,7 @@ def test_info_endpoints(port):
     _, models, _ = call(port, "GET", "/v1/models")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
     _, info, _ = call(port, "GET", "/get_model_info")
-    assert info["is_generation"] is True and info["vocab_size"] == 320
+    assert info["is_generation"] is True and info["vocab_size"] == VOCAB
 
 
 def test_compilations_are_reported_in_info_and_metrics(port, engines):
@@ -208,7 +209,7 @@ def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs, tmp_path)
     for start in ("first", "second"):
         proc, port, lines = start_cli_server(model_dirs["qwen3"], *args)
         try:
-            assert re.search(r"serving .*qwen3: qwen3 in float32, xla attention, 1 replica\(s\)"
+            assert re.search(r"serving .*qwen3: qwen3 in float32, xla kernels, 1 replica\(s\)"
                              r" of 1 cpu device\(s\) \(cpu\), KV pool of \d+ tokens a replica,"
                              r" on http://", lines[-1]), lines[-1]
             ready = next(re.search(r"(\d+) programs ready in \d+ s: (\d+) read from the "

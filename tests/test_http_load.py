@@ -10,9 +10,9 @@ import pytest
 from runtime.engine import Engine
 from server.app import ServerConfig
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
-from tests.conftest import small_config
 from tests.gated_runner import GatedRunner
 from tests.server_harness import OK, assert_error, call, metric, serving, wait_for
+from tests.tiny_models import small_config
 
 
 def test_a_client_that_disconnects_has_its_request_dropped(model_dirs, monkeypatch):

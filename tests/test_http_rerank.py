@@ -11,10 +11,9 @@ import tokenizers
 from runtime.engine import Engine
 from runtime.rerank import BUILT_IN, QWEN3_RERANKER
 from server.app import RERANK_ROUTES
-from tests.conftest import small_config
 from tests.numpy_decoder import NumpyDecoder
 from tests.server_harness import OK, assert_error, call, metrics_lines, serving
-from tests.tiny_models import write_checkpoint
+from tests.tiny_models import small_config, write_checkpoint
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["The capital of France is Paris.", "Tokyo is a city in Japan.", "",

@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
-from kernels.label_gather_kernel import final_norm_label_gather, label_runs, label_tiles_pay
+from kernels.label_gather import (
+    final_norm_label_gather_reference,
+    final_norm_label_gather_xla,
+)
+from kernels.label_gather_kernel import (
+    final_norm_label_gather,
+    label_runs,
+    label_tiles_pay,
+)
 from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
 
 CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)

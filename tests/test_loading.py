@@ -12,7 +12,6 @@ from model.config import config_from_hf
 from model.loader import checkpoint_dtype, load_config, load_model
 from model.params import param_shapes
 from model.sharding import repeat_kv_heads, repeat_kv_shapes
-from runtime.engine_config import EngineConfig
 from tests.tiny_models import FAMILIES, hf_config
 
 
@@ -117,9 +116,9 @@ def test_checkpoint_dtype_is_what_its_weights_fit(tmp_path, stored, want):
 
 def test_dtype_auto_is_float32_on_cpu_and_the_params_own_otherwise(model_dirs):
     from runtime.engine import Engine
-    from tests.conftest import small_config
+    from tests.tiny_models import small_config
     assert checkpoint_dtype(None) == "bfloat16"  # the embedded GGUF's Q4_1 blocks
-    assert small_config(dtype="auto").resolve_dtype(None).dtype == "float32"  # CPU here
+    assert small_config(dtype="auto").resolve_dtype(None, "cpu").dtype == "float32"
     engine = Engine.from_path(model_dirs["llama"], small_config(dtype="auto"))
     engine.close()
     assert engine.engine_cfg.dtype == "float32"
@@ -131,13 +130,11 @@ def test_dtype_auto_is_float32_on_cpu_and_the_params_own_otherwise(model_dirs):
         small_config(dtype="float16")
 
 
-def test_dtype_auto_on_an_accelerator_is_the_checkpoints(model_dirs, monkeypatch, tmp_path):
-    from tests.conftest import small_config
-    gpu = type("Device", (), {"platform": "gpu"})()
-    monkeypatch.setattr(EngineConfig, "device_groups", lambda self: [[gpu]])
-    assert small_config(dtype="auto").resolve_dtype(None).dtype == "bfloat16"  # Q4_1 GGUF
-    assert small_config(dtype="auto").resolve_dtype(model_dirs["llama"]).dtype == "float32"
+def test_dtype_auto_on_an_accelerator_is_the_checkpoints(model_dirs, tmp_path):
+    from tests.tiny_models import small_config
+    assert small_config(dtype="auto").resolve_dtype(None, "gpu").dtype == "bfloat16"  # Q4_1 GGUF
+    assert small_config(dtype="auto").resolve_dtype(model_dirs["llama"], "gpu").dtype == "float32"
     hf = {**hf_config("llama"), "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    assert small_config(dtype="auto").resolve_dtype(str(tmp_path)).dtype == "bfloat16"
-    assert small_config(dtype="float32").resolve_dtype(str(tmp_path)).dtype == "float32"
+    assert small_config(dtype="auto").resolve_dtype(str(tmp_path), "gpu").dtype == "bfloat16"
+    assert small_config(dtype="float32").resolve_dtype(str(tmp_path), "gpu").dtype == "float32"

@@ -9,7 +9,7 @@ from kernels.attention_plan import BlockSizes
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from tests.assertions import assert_scores_close
-from tests.conftest import small_config
+from tests.tiny_models import small_config
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_cls"])

@@ -4,6 +4,7 @@ import pytest
 import tokenizers
 
 from tests.assertions import assert_scores_close
+from tests.tiny_models import VOCAB
 
 QUERY = "I pledge allegiance"
 ITEMS = ["", " to", " the flag of Tokyo", "é"]
@@ -40,8 +41,8 @@ def test_text_scores_match_numpy(engines, numpy_models, model_dirs, family, appl
 @pytest.mark.parametrize("family", CAUSAL)
 def test_token_id_inputs_match_numpy(engines, numpy_models, family):
     rng = np.random.default_rng(7)
-    query = rng.integers(0, 320, 11).tolist()
-    items = [rng.integers(0, 320, n).tolist() for n in (1, 5, 0, 9)]
+    query = rng.integers(0, VOCAB, 11).tolist()
+    items = [rng.integers(0, VOCAB, n).tolist() for n in (1, 5, 0, 9)]
     got = engines[family].score(query, items, [0, 319], apply_softmax=False)
     want = [numpy_models[family].scores(query + it, [0, 319], False) for it in items]
     assert_scores_close(got.scores, want)
@@ -66,7 +67,7 @@ def test_classifier_ignores_labels_and_returns_classes(engines):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_cls"])
 def test_bfloat16_engine_is_close_to_float32(model_dirs, engines, family):
     from runtime.engine import Engine
-    from tests.conftest import small_config
+    from tests.tiny_models import small_config
     bf16 = Engine.from_path(model_dirs[family], small_config(dtype="bfloat16"))
     got = np.array(bf16.score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)
     want = np.array(engines[family].score(QUERY, ITEMS, LABELS, apply_softmax=True).scores)

@@ -5,7 +5,7 @@ import pytest
 from runtime.engine import Engine
 from runtime.packing import item_chunks, multi_item_sequence
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
-from tests.conftest import small_config
+from tests.tiny_models import VOCAB, small_config
 
 TEXT_ITEMS = ["", "a", " Paris", " the flag of Tokyo is a city in Japan", "🙂", "", " 123"]
 
@@ -26,9 +26,9 @@ def test_text_items_packed_equal_single(engines, family, item_first):
 @pytest.mark.parametrize("seed", range(4))
 def test_random_token_items_packed_equal_single(engines, seed):
     rng = np.random.default_rng(seed)
-    query = rng.integers(0, 320, int(rng.integers(1, 30))).tolist()
-    items = [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(0, 12, 16)]
-    labels = rng.integers(0, 320, 5).tolist()
+    query = rng.integers(0, VOCAB, int(rng.integers(1, 30))).tolist()
+    items = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(0, 12, 16)]
+    labels = rng.integers(0, VOCAB, 5).tolist()
     eng = engines["qwen3"]
     for apply_softmax in (False, True):
         packed = eng.score(query, items, labels, apply_softmax=apply_softmax)
@@ -41,8 +41,8 @@ def test_chunked_request_equals_unchunked(model_dirs, engines):
     small = Engine.from_path(model_dirs["qwen2"], small_config(
         page_size=4, max_prefill_tokens=32, max_seqs=2, max_rows=32))
     rng = np.random.default_rng(1)
-    query = rng.integers(0, 320, 10).tolist()
-    items = [rng.integers(0, 320, int(n)).tolist() for n in rng.integers(1, 9, 20)]
+    query = rng.integers(0, VOCAB, 10).tolist()
+    items = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 9, 20)]
     for item_first in (False, True):
         big = engines["qwen2"].score(query, items, [1, 2], item_first=item_first)
         chunked = small.score(query, items, [1, 2], item_first=item_first)

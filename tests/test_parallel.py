@@ -14,9 +14,8 @@ from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.router import Router
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
-from tests.conftest import small_config
 from tests.server_harness import call, metric, serving
-from tests.tiny_models import FAMILIES, KV_HEADS, VOCAB, write_checkpoint
+from tests.tiny_models import FAMILIES, KV_HEADS, VOCAB, small_config, write_checkpoint
 
 LABELS = [5, 100, 250, VOCAB - 1]  # across the vocabulary shards
 

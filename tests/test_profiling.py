@@ -5,13 +5,14 @@ import sys
 import pytest
 
 from profiling.bench_engine import run, workload
+from tests.tiny_models import VOCAB
 
 
 def test_bench_engine_measures_every_mode(model_dirs, engines):
     from runtime.engine import Engine
-    from tests.conftest import small_config
+    from tests.tiny_models import small_config
     uncached = Engine.from_path(model_dirs["qwen3"], small_config(prefix_cache=False))
-    reqs = workload(320, query_tokens=12, item_tokens=3, num_items=4, num_labels=2, requests=4,
+    reqs = workload(VOCAB, query_tokens=12, item_tokens=3, num_items=4, num_labels=2, requests=4,
                     distinct_queries=2)
     assert [r.query for r in reqs[:2]] != [reqs[0].query] * 2 and reqs[2].query == reqs[0].query
     result = run({True: engines["qwen3"], False: uncached}, reqs, repeats=1)
@@ -185,7 +186,12 @@ ENTRY %main (p: f32[64]) -> f32[1,1000] {
 def test_bench_compare_measures_a_started_server(model_dirs):
     import asyncio
 
-    from profiling.bench_compare import running_server, serve_shape, server_vocab, shape_requests
+    from profiling.bench_compare import (
+        running_server,
+        serve_shape,
+        server_vocab,
+        shape_requests,
+    )
     args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
     with running_server(model_dirs["llama"], args) as (url, devices, start_s):
         reqs = shape_requests(asyncio.run(server_vocab(url)),
@@ -206,9 +212,9 @@ def test_bench_compare_says_why_the_server_did_not_start(model_dirs):
 
 def test_bench_engine_traces_each_mode(model_dirs, engines, tmp_path):
     from runtime.engine import Engine
-    from tests.conftest import small_config
+    from tests.tiny_models import small_config
     uncached = Engine.from_path(model_dirs["llama"], small_config(prefix_cache=False))
-    reqs = workload(320, query_tokens=6, item_tokens=2, num_items=2, num_labels=1, requests=2,
+    reqs = workload(VOCAB, query_tokens=6, item_tokens=2, num_items=2, num_labels=1, requests=2,
                     distinct_queries=1)
     result = run({True: engines["llama"], False: uncached}, reqs, repeats=1,
                  trace_dir=str(tmp_path))
@@ -224,8 +230,8 @@ def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp
 
     from runtime.engine import Engine
     from server.app import ServerConfig
-    from tests.conftest import small_config
     from tests.server_harness import OK, call, serving
+    from tests.tiny_models import small_config
     engine = Engine.from_path(model_dirs["llama"], small_config())
     with serving(engine, ServerConfig(trace_dir=str(tmp_path))) as p:
         assert call(p, "POST", "/stop_profile")[0] == 409  # none running

@@ -3,7 +3,7 @@ compiling, scoring exactly as compiled ones, and never found for another program
 import os
 
 from runtime.engine import Engine
-from tests.conftest import small_config
+from tests.tiny_models import small_config
 
 QUERY, ITEMS, LABELS = [3, 9, 27, 81, 5, 7, 11], [[1, 2], [4], [8, 16, 32]], [5, 17]
 

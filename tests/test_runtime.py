@@ -6,11 +6,24 @@ from jax import monitoring
 from runtime.engine import Engine
 from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
-from tests.conftest import small_config
+from tests.tiny_models import VOCAB, small_config
 
 
 def make(model_dirs, family="qwen3", **overrides) -> Engine:
     return Engine.from_path(model_dirs[family], small_config(**overrides))
+
+
+@pytest.fixture
+def new_engine(model_dirs):
+    """Engines made by a test, closed after it whether it passes or fails."""
+    made = []
+
+    def new(family="qwen3", **overrides) -> Engine:
+        made.append(make(model_dirs, family, **overrides))
+        return made[-1]
+    yield new
+    for engine in made:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +34,7 @@ def uncached(model_dirs):
         engine.close()
 
 
-def random_request(rng, query=None, vocab=320):
+def random_request(rng, query=None, vocab=VOCAB):
     if query is None:
         query = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
     items = [rng.integers(0, vocab, int(n)).tolist()
@@ -34,7 +47,7 @@ def random_request(rng, query=None, vocab=320):
 @pytest.mark.parametrize("query_len", [7, 8, 16, 23, 40])  # page size 8: aligned or not
 def test_prefix_hit_scores_equal_a_miss(engines, uncached, query_len):
     rng = np.random.default_rng(query_len)
-    query = rng.integers(0, 320, query_len).tolist()
+    query = rng.integers(0, VOCAB, query_len).tolist()
     engine, before = engines["qwen3"], engines["qwen3"].scheduler.stats.cached_tokens
     for items in ([[1, 2], [3]], [[], [4, 5, 6]], [[7]], []):  # an empty item scores query's end
         req = parse_score_request(dict(query=query, items=items, label_token_ids=[5, 9]))
@@ -47,7 +60,7 @@ def test_prefix_hit_scores_equal_a_miss(engines, uncached, query_len):
 
 def test_concurrent_requests_equal_one_at_a_time(engines, uncached):
     rng = np.random.default_rng(3)
-    shared = rng.integers(0, 320, 30).tolist()
+    shared = rng.integers(0, VOCAB, 30).tolist()
     reqs = [random_request(rng, shared if k % 2 else None) for k in range(32)]
     engine = engines["qwen3"]
     forwards = engine.scheduler.stats.forwards
@@ -70,18 +83,17 @@ def test_text_and_classifier_requests_batch_together(engines, uncached, family):
         assert_scores_close(future.result(60).scores, want, rtol=rtol)
 
 
-def test_chunks_of_a_big_request_share_its_cached_query(model_dirs, uncached):
-    engine = make(model_dirs, max_prefill_tokens=64, max_seqs=4, max_rows=16)
+def test_chunks_of_a_big_request_share_its_cached_query(new_engine, uncached):
+    engine = new_engine(max_prefill_tokens=64, max_seqs=4, max_rows=16)
     rng = np.random.default_rng(5)
-    req = parse_score_request(dict(query=rng.integers(0, 320, 33).tolist(),
-                                   items=[rng.integers(0, 320, 5).tolist() for _ in range(20)],
+    req = parse_score_request(dict(query=rng.integers(0, VOCAB, 33).tolist(),
+                                   items=[rng.integers(0, VOCAB, 5).tolist() for _ in range(20)],
                                    label_token_ids=[1, 2]))
     want = uncached["qwen3"].score_request(req).scores
     assert_scores_close(engine.score_request(req).scores, want)
     stats = engine.scheduler.stats
     assert stats.forwards >= 3 and stats.cached_tokens >= 32 * (stats.forwards - 1)
     assert_no_leaked_pages(engine)
-    engine.close()
 
 
 def test_stats_count_the_bucket_tokens_each_forward_pads_to(uncached):
@@ -95,12 +107,12 @@ def test_stats_count_the_bucket_tokens_each_forward_pads_to(uncached):
     assert stats.padded_tokens - padded == 32 + 48
 
 
-def test_eviction_under_a_pool_too_small_for_all_prefixes(model_dirs, uncached):
+def test_eviction_under_a_pool_too_small_for_all_prefixes(new_engine, uncached):
     cfg = small_config(max_prefill_tokens=64, max_seqs=2, max_rows=16)
-    engine = make(model_dirs, **vars(cfg) | dict(kv_cache_tokens=cfg.min_kv_tokens))
+    engine = new_engine(**vars(cfg) | dict(kv_cache_tokens=cfg.min_kv_tokens))
     pages = engine.scheduler.pool.num_pages
     rng = np.random.default_rng(11)
-    queries = [rng.integers(0, 320, 40).tolist() for _ in range(8)]  # 5 cacheable pages each
+    queries = [rng.integers(0, VOCAB, 40).tolist() for _ in range(8)]  # 5 cacheable pages each
     for rounds in range(2):
         for query in queries:
             req = parse_score_request(dict(query=query, items=[[1], [2, 3]], label_token_ids=[4]))
@@ -111,11 +123,10 @@ def test_eviction_under_a_pool_too_small_for_all_prefixes(model_dirs, uncached):
     assert 2 * 5 == pages  # one query's 5 pages, plus one batch in flight
     assert engine.scheduler.stats.cached_tokens == 2 * 8 * 40
     assert_no_leaked_pages(engine)
-    engine.close()
 
 
-def test_warm_up_compiles_every_bucket_and_a_varied_stream_compiles_nothing(model_dirs):
-    engine = make(model_dirs, "llama", max_prefill_tokens=256, max_rows=128, warmup=True)
+def test_warm_up_compiles_every_bucket_and_a_varied_stream_compiles_nothing(new_engine):
+    engine = new_engine("llama", max_prefill_tokens=256, max_rows=128, warmup=True)
     compiled = engine.runner.compile_count
     assert compiled == 2 * len(engine.runner.buckets.token_sizes())
     backend_compiles = []
@@ -134,9 +145,9 @@ def test_warm_up_compiles_every_bucket_and_a_varied_stream_compiles_nothing(mode
                 body = dict(query=" ".join(["word"] * query_len),
                             items=["x" * item_len] * n_items)
             else:
-                body = dict(query=rng.integers(0, 320, query_len).tolist(),
-                            items=[rng.integers(0, 320, item_len).tolist()] * n_items)
-            body.update(label_token_ids=rng.integers(0, 320, n_labels).tolist(),
+                body = dict(query=rng.integers(0, VOCAB, query_len).tolist(),
+                            items=[rng.integers(0, VOCAB, item_len).tolist()] * n_items)
+            body.update(label_token_ids=rng.integers(0, VOCAB, n_labels).tolist(),
                         apply_softmax=bool(k % 3), item_first=k % 7 == 0 and n_items < 8)
             result = engine.score_request(parse_score_request(body))
             assert np.array(result.scores).shape == (n_items, n_labels)
@@ -144,16 +155,14 @@ def test_warm_up_compiles_every_bucket_and_a_varied_stream_compiles_nothing(mode
         monitoring.unregister_event_duration_listener(listener)
     assert engine.runner.compile_count == compiled
     assert backend_compiles == []
-    engine.close()
 
 
-def test_a_request_is_answered_after_its_pages_are_free(model_dirs):
+def test_a_request_is_answered_after_its_pages_are_free(new_engine):
     """A client that has its answer finds the pass's pages back in the pool."""
-    engine = Engine.from_path(model_dirs["llama"], small_config(prefix_cache=False))
+    engine = new_engine("llama", prefix_cache=False)
     free_when_answered = []
     future = engine.submit(parse_score_request(
         {"query": [3, 4, 5] * 9, "items": [[6], [7, 8]], "label_token_ids": [1, 2]}))
     future.add_done_callback(lambda f: free_when_answered.append(engine.scheduler.pool.free_count))
     future.result(60)
-    engine.close()
     assert free_when_answered == [engine.scheduler.pool.num_pages]

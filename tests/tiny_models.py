@@ -1,5 +1,6 @@
 """Tiny random HuggingFace-format checkpoints, written from scratch for the tests."""
 from profiling import random_checkpoint
+from runtime.engine_config import EngineConfig
 
 FAMILIES = {
     "llama": dict(arch="LlamaForCausalLM", bos=True, head_dim=None, tie=True, shards=1),
@@ -33,3 +34,9 @@ def write_checkpoint(model_dir: str, family: str, seed: int = 0, vocab: int = VO
     spec = FAMILIES[family]
     return random_checkpoint.write_checkpoint(model_dir, hf_config(family, vocab, **overrides),
                                               seed, shards=spec["shards"], bos=spec["bos"])
+
+
+def small_config(**overrides) -> EngineConfig:
+    """The tests' engine: small budgets, compiled on demand (warm-up has its own tests)."""
+    return EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
+                                  warmup=False), **overrides})
