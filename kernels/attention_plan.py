@@ -3,7 +3,7 @@
 Queries are cut into q blocks of `q_block` packed tokens, block b holding tokens
 [b * q_block, (b + 1) * q_block): the kernels read q and write their output in token order,
 whatever the batch's sequences. A block may hold rows of several sequences; each (q block,
-sequence) segment gets a step per KV block some row of it can see (SPEC §4): the shared blocks
+sequence) segment gets a step per KV block some row of it can see (CONTRACT §4): the shared blocks
 [0, min(L, p_max + 1)) and the blocks of [a_min, p_max], i.e. of the items it overlaps. A
 step masks the block's rows of other sequences. Other KV blocks are absent: the kernel neither
 copies nor multiplies them. The steps are padded to a fixed count (jit shapes) and

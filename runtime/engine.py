@@ -1,4 +1,4 @@
-"""Scoring engine (SPEC §3-§5): validate, tokenize and pack a request into units of work for
+"""Scoring engine (CONTRACT §3-§5): validate, tokenize and pack a request into units of work for
 a replica's scheduler, which batches them with other requests' units on its devices."""
 import concurrent.futures
 import dataclasses

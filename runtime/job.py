@@ -16,7 +16,7 @@ class ScoreResult:
 
 def label_scores(logits: np.ndarray, lse: np.ndarray, apply_softmax: bool,
                  is_classifier: bool) -> np.ndarray:
-    """SPEC §3: softmax over the labels, raw classifier logits, or full-vocabulary probs."""
+    """CONTRACT §3: softmax over the labels, raw classifier logits, or full-vocabulary probs."""
     if apply_softmax:
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)

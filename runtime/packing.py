@@ -1,4 +1,4 @@
-"""Sequences of one forward pass (SPEC §4): multi-item packing and plain causal prompts."""
+"""Sequences of one forward pass (CONTRACT §4): multi-item packing and plain causal prompts."""
 import dataclasses
 
 Tokens = list[int]

@@ -1,4 +1,4 @@
-"""Prefix cache (SPEC §5): a radix tree of full KV pages keyed by their tokens.
+"""Prefix cache (CONTRACT §5): a radix tree of full KV pages keyed by their tokens.
 
 A node holds one page whose K/V are those of its tokens after every token on the path
 from the root, at positions 0, 1, ...: a causal prefix, reusable by any sequence starting

@@ -1,4 +1,4 @@
-"""Validation of a /v1/score (SPEC §2) or /v1/rerank request body into a typed request."""
+"""Validation of a /v1/score (CONTRACT §2) or /v1/rerank request body into a typed request."""
 import dataclasses
 import json
 

@@ -1,4 +1,4 @@
-"""Continuous batching: waiting units of every request share ragged forwards (SPEC §4-§5).
+"""Continuous batching: waiting units of every request share ragged forwards (CONTRACT §4-§5).
 
 One thread owns the page pool, the prefix cache and the device. It takes waiting units first
 come, first served, until the next would break a budget (tokens, sequences, rows, pages), so

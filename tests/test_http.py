@@ -1,4 +1,4 @@
-"""The HTTP contract of SPEC §2 over a real socket: routes, bodies, errors, the CLI."""
+"""The HTTP contract of CONTRACT §2 over a real socket: routes, bodies, errors, the CLI."""
 import logging
 import re
 import signal

@@ -1,4 +1,4 @@
-"""Multi-item packing (SPEC §4) computes exactly what one prompt per item computes."""
+"""Multi-item packing (CONTRACT §4) computes exactly what one prompt per item computes."""
 import numpy as np
 import pytest
 

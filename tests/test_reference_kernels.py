@@ -1,4 +1,4 @@
-"""The reference kernels against direct NumPy readings of SPEC §3-§4."""
+"""The reference kernels against direct NumPy readings of CONTRACT §3-§4."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
