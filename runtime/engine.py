@@ -164,11 +164,12 @@ class Engine:
         labels = self._labels(req)
         with jax.profiler.TraceAnnotation("tokenize"):
             query, items = self._tokenize(req)
+        if not items:
+            answered = concurrent.futures.Future()
+            answered.set_result(ScoreResult([], 0))
+            return answered
         parts = self._sequences(req, query, items)
         job = Job(labels, len(items), len(parts), req.apply_softmax, self.cfg.is_classifier)
-        if not items:
-            job.future.set_result(ScoreResult([], 0))
-            return job.future
         units = [Unit(job, seq, scored) for seq, scored in parts]
         self.schedulers[self.router.pick(self._routing_key(req, query))].submit(job, units)
         return job.future

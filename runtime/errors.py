@@ -19,7 +19,7 @@ class ScoreError(Exception):
     """An error to report to the client, with its HTTP status (one of STATUSES)."""
 
     def __init__(self, message: str, status: int = 400):
-        if STATUSES.get(status, (None, None))[1] is None:
+        if status not in STATUSES or STATUSES[status][1] is None:
             raise ValueError(f"{status} is not an error status of STATUSES")
         super().__init__(message)
         self.message = message
