@@ -70,7 +70,8 @@ class Engine:
         if engine_cfg.warmup:
             for runner in runners:
                 runner.warm_up()
-        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache) for r in runners]
+        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache, engine_cfg.schedule_policy)
+                           for r in runners]
         self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
 
     @property
@@ -83,12 +84,13 @@ class Engine:
         return self.schedulers[0].runner
 
     def describe(self) -> str:
-        """One line for the start-up log: model, dtype, kernels, devices, KV pool."""
+        """One line for the start-up log: model, dtype, kernels, devices, KV pool, policy."""
         runner, ec = self.runner, self.engine_cfg
         device = runner.mesh.devices.flat[0]
         return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} kernels, {ec.dp_size} "
                 f"replica(s) of {ec.tp_size} {device.platform} device(s) ({device.device_kind}),"
-                f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica")
+                f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica, "
+                f"{ec.schedule_policy} scheduling")
 
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):

@@ -6,6 +6,7 @@ from kernels.backends import KERNEL_BACKENDS
 from model.config import ModelConfig
 from model.loader import DTYPES, checkpoint_dtype
 from runtime.buckets import ShapeBuckets, pages_needed
+from runtime.wait_queue import SCHEDULE_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,7 @@ class EngineConfig:
     kv_cache_tokens: int = 0        # KV pool size; 0: sized by runtime.pool_size
     mem_fraction: float = 0.8       # share of accelerator memory for params, pool and temp
     prefix_cache: bool = True
+    schedule_policy: str = "fair"   # or "fcfs": the order waiting units take forwards in
     warmup: bool = True             # compile every shape bucket at start-up
     kernel_backend: str = "auto"    # "auto": the Pallas kernels on TPU, the XLA path elsewhere
     q_block: int = 0                # attention block sizes; 0: from the table for this device
@@ -33,6 +35,9 @@ class EngineConfig:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got "
                              f"{self.dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
+                             f"{self.schedule_policy!r}")
         if self.kernel_backend not in ("auto",) + KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be auto or one of {KERNEL_BACKENDS}")
         positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",

@@ -2,6 +2,8 @@
 STATUSES = {
     200: ("OK", None),
     400: ("Bad Request", "BadRequestError"),
+    401: ("Unauthorized", "AuthenticationError"),
+    403: ("Forbidden", "PermissionDeniedError"),
     404: ("Not Found", "NotFoundError"),
     405: ("Method Not Allowed", "MethodNotAllowed"),
     408: ("Request Timeout", "RequestTimeout"),

@@ -1,12 +1,12 @@
 """Continuous batching: waiting units of every request share ragged forwards (CONTRACT §4-§5).
 
-One thread owns the page pool, the prefix cache and the device. It takes waiting units first
-come, first served, until the next would break a budget (tokens, sequences, rows, pages), so
-a large request is never overtaken. A unit reuses the cached pages of its query; pages it
-computes are cached when the batch is formed, so units behind it in the same forward share
-them too (every layer writes all new K/V before any token attends).
+One thread owns the page pool, the prefix cache and the device. It takes waiting units in the
+order of its `WaitQueue` (fair or first come, first served) until the next would break a
+budget (tokens, sequences, rows, pages), so no unit is overtaken within that order. A unit
+reuses the cached pages of its query; pages it computes are cached when the batch is formed,
+so units behind it in the same forward share them too (every layer writes all new K/V before
+any token attends).
 """
-import collections
 import dataclasses
 import threading
 
@@ -21,6 +21,7 @@ from runtime.model_runner import ModelRunner
 from runtime.packing import cacheable_len
 from runtime.pages import PagePool
 from runtime.prefix_cache import PrefixCache
+from runtime.wait_queue import WaitQueue
 
 
 @dataclasses.dataclass
@@ -33,13 +34,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, prefix_cache: bool = True):
+    def __init__(self, runner: ModelRunner, prefix_cache: bool = True, policy: str = "fair"):
         self.runner = runner
         self.buckets: ShapeBuckets = runner.buckets
         self.pool = PagePool(runner.num_pages)
         self.prefix_cache = PrefixCache(self.pool, self.buckets.page_size) if prefix_cache else None
         self.stats = SchedulerStats()
-        self._waiting: collections.deque[Unit] = collections.deque()
+        self._waiting = WaitQueue(policy)
         self._running: list[ScheduledSeq] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -50,7 +51,7 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise ScoreError("the server is shutting down", status=503)
-            self._waiting.extend(units)
+            self._waiting.add(job, units)
             self._cond.notify()
 
     def close(self) -> None:
@@ -97,10 +98,11 @@ class Scheduler:
 
     def _form_batch(self) -> list[tuple[Unit, ScheduledSeq]]:
         batch, tokens, rows = [], 0, 0
-        while self._waiting and len(batch) < self.buckets.max_seqs:
-            unit = self._waiting[0]
+        for unit in self._waiting.in_order():
+            if len(batch) == self.buckets.max_seqs:
+                break
             if not unit.job.active:
-                self._waiting.popleft()
+                self._waiting.drop(unit.job)
                 continue
             n_rows = len(unit.seq.score_rows)
             entry = None
@@ -108,14 +110,15 @@ class Scheduler:
                 entry = self._reserve(unit.seq, self.buckets.max_tokens - tokens)
             if entry is None:
                 if not batch:  # cannot happen with a pool sized by EngineConfig
-                    self._waiting.popleft()
+                    self._waiting.drop(unit.job)
                     unit.job.fail(ScoreError("the KV cache cannot hold this request", 500))
                     continue
                 break
-            self._waiting.popleft()
+            self._waiting.take(unit)
             self._running.append(entry)
             batch.append((unit, entry))
             tokens, rows = tokens + entry.new_tokens, rows + n_rows
+        self._waiting.forward_formed()
         return batch
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:

@@ -14,10 +14,13 @@ from runtime.cli_flags import parse_flags
 from runtime.distributed import DistConfig
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
+from runtime.wait_queue import SCHEDULE_POLICIES
+from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
 from server.app import ScoreServer, ServerConfig
 from server.http import Limits
 
 FLAGS = flags.FLAGS
+API_KEY_ENV = "JAX_SCORE_API_KEY"  # the key without it showing in `ps`
 
 
 def default_compile_cache_dir() -> str:
@@ -61,6 +64,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_connections", 1024, "open connections (503 beyond)")
     flags.DEFINE_integer("max_pending", 256, "score requests queued or running (503 beyond)")
     flags.DEFINE_bool("access_log", True, "log a line per request")
+    flags.DEFINE_string("api_key", None, "every route but GET /health needs 'Authorization: "
+                        f"Bearer KEY'; also read from ${API_KEY_ENV}; default: no key")
+    flags.DEFINE_bool("metrics_without_key", False, "GET /metrics answers without the API key")
+    flags.DEFINE_enum("admin_routes", "auto", list(ADMIN_SETTINGS), "POST /flush_cache, "
+                      "/start_profile and /stop_profile; auto: on when --host is a loopback "
+                      "address or an API key is set, else off")
+    flags.DEFINE_enum("schedule_policy", "fair", list(SCHEDULE_POLICIES), "fair: requests "
+                      "least recently served go first, so a small request is not held behind "
+                      "a large one's forwards; fcfs: first come, first served")
     flags.DEFINE_string("trace_dir", None, "where POST /start_profile writes jax.profiler "
                         "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
@@ -90,6 +102,7 @@ def engine_config() -> EngineConfig:
         max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
+        schedule_policy=FLAGS.schedule_policy,
         kernel_backend=FLAGS.kernel_backend, q_block=FLAGS.q_block,
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
         rerank_template=FLAGS.rerank_template,
@@ -103,13 +116,25 @@ def server_config() -> ServerConfig:
                     body_timeout_s=FLAGS.body_timeout_s, send_timeout_s=FLAGS.send_timeout_s)
     return ServerConfig(model_name=FLAGS.model_path or "default", limits=limits,
                         max_connections=FLAGS.max_connections, max_pending=FLAGS.max_pending,
-                        access_log=FLAGS.access_log, trace_dir=FLAGS.trace_dir)
+                        access_log=FLAGS.access_log, trace_dir=FLAGS.trace_dir,
+                        access=access_policy())
 
 
-async def serve(engine: Engine) -> None:
-    server = ScoreServer(engine, server_config())
+def access_policy() -> AccessPolicy:
+    """A key given but empty (an unset shell variable) is an error, not a server without one."""
+    key = FLAGS.api_key if FLAGS.api_key is not None else os.environ.get(API_KEY_ENV)
+    try:
+        return AccessPolicy(api_key=key, metrics_without_key=FLAGS.metrics_without_key,
+                            admin_routes=admin_routes_open(FLAGS.admin_routes, FLAGS.host, key))
+    except ValueError as e:
+        raise app.UsageError(f"--api-key / ${API_KEY_ENV}: {e}") from None
+
+
+async def serve(engine: Engine, config: ServerConfig) -> None:
+    server = ScoreServer(engine, config)
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
+    logging.info("%s", server.describe_routes())
     logging.info("serving %s: %s, on http://%s:%d",
                  FLAGS.model_path or "SmolLM2-135M (embedded)", engine.describe(), FLAGS.host,
                  port)
@@ -144,13 +169,14 @@ def start_engine() -> Engine:
 
 def main(argv) -> None:
     del argv
+    config = server_config()  # a bad flag fails before the model loads
     engine = start_engine()
     try:
         if FLAGS.node_rank:
             logging.info("node %d: running node 0's forwards", FLAGS.node_rank)
             logging.info("node 0 stopped after %d forwards", engine.follow())
         else:
-            asyncio.run(serve(engine))
+            asyncio.run(serve(engine, config))
     finally:
         engine.close()
 

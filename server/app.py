@@ -14,6 +14,7 @@ from runtime.engine import Engine
 from runtime.errors import STATUSES, ScoreError
 from runtime.request import RerankRequest, parse_rerank_request, parse_score_request
 from runtime.rerank import RerankResult
+from server.access import AccessPolicy
 from server.http import (
     HttpError,
     Limits,
@@ -38,6 +39,7 @@ class ServerConfig:
     gone_poll_s: float = 0.2     # how often a waiting request checks that its client is there
     access_log: bool = True
     trace_dir: str | None = None  # where POST /start_profile writes; None: a new temporary dir
+    access: AccessPolicy = AccessPolicy()  # the API key and the admin routes' switch
 
     def __post_init__(self):
         if self.max_connections < 1 or self.max_pending < 0 or self.retry_after_s < 0:
@@ -175,12 +177,17 @@ class ScoreServer:
                          seconds * 1e3)
 
     def _error(self, e: ScoreError) -> Answer:
-        headers = [f"Retry-After: {self.config.retry_after_s}"] if e.status == 503 else []
+        headers = {503: [f"Retry-After: {self.config.retry_after_s}"],
+                   401: ["WWW-Authenticate: Bearer"]}.get(e.status, [])
         return Answer(e.status, error_body(e.message, e.status, e.type), headers)
+
+    def describe_routes(self) -> str:
+        return self.config.access.describe(self._routes)
 
     async def _dispatch(self, req: Request, gone: Callable[[], bool]) -> Answer:
         route = self._routes.get(req.path)
         try:
+            self.config.access.check(req.path, req.headers.get("authorization"))
             if route is None:
                 raise ScoreError(f"no route {req.path}", status=404)
             allowed = ("GET", "HEAD") if route[0] == "GET" else (route[0],)

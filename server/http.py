@@ -45,6 +45,7 @@ class Limits:
 
 
 TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.6.2
+DIGITS = re.compile(r"[0-9]+")  # RFC 9110 8.6: ASCII digits only
 # origin-form or absolute-form targets (RFC 9112 3.2)
 REQUEST_LINE = re.compile(rf"({TOKEN.pattern}) (/[!-~]*|https?://[!-~]+) (HTTP/\d\.\d)")
 
@@ -80,7 +81,7 @@ LINGER_S = 2.0  # like nginx's lingering close, shorter: only to let an answer r
 
 def _content_length(req: Request, max_body: int) -> int:
     raw = req.headers.get("content-length", "0")
-    if not raw.isdigit():
+    if not DIGITS.fullmatch(raw):  # not str.isdigit, which takes "²" that int() refuses
         raise HttpError(f"invalid Content-Length {raw[:40]!r}")
     if int(raw) > max_body:
         raise HttpError(f"body of {raw} bytes exceeds the limit of {max_body}", status=413)

@@ -99,7 +99,19 @@ def test_pages_balance_after_random_faults_and_cancellations(engine, monkeypatch
         assert_scores_close(got, engine.score_request(req).scores)
 
 
-def test_first_come_first_served_never_starves_a_big_request(engine, monkeypatch):
+@pytest.mark.parametrize("policy, order, rows", [
+    ("fcfs", ["blocker", "big"] + ["small"] * 6, [1, 3]),  # nothing jumps ahead of the big one
+    ("fair", ["blocker"] + ["small"] * 6 + ["big"], [1, 3, 4, 5])])  # its turn comes back
+def test_a_big_request_is_never_starved(model_dirs, monkeypatch, policy, order, rows):
+    engine = Engine.from_path(model_dirs["qwen3"], small_config(
+        max_prefill_tokens=64, max_seqs=4, max_rows=16, schedule_policy=policy))
+    try:
+        assert_big_request_finishes(engine, monkeypatch, order, rows)
+    finally:
+        engine.close()
+
+
+def assert_big_request_finishes(engine, monkeypatch, order, rows):
     gate = GatedRunner(engine.runner, monkeypatch)
     finished = []
     blocker = engine.submit(request("blocker", ["a"]))
@@ -111,5 +123,5 @@ def test_first_come_first_served_never_starves_a_big_request(engine, monkeypatch
     gate.release.set()
     for future in [blocker, big, *small]:
         future.result(60)
-    assert finished == ["blocker", "big"] + ["small"] * 6
-    assert gate.rows[1] == 3  # the big request's first chunk ran alone: nothing jumped ahead
+    assert finished == order
+    assert gate.rows[:len(rows)] == rows

@@ -186,12 +186,12 @@ def test_health_answers_during_a_forward(engines, monkeypatch):
         worker.join(30)
 
 
-def start_cli_server(model_dir: str, *args: str):
+def start_cli_server(model_dir: str, *args: str, env=None):
     """`python -m server` on a free port: (the process, its port, its log lines so far)."""
     import subprocess
     import sys
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dir,
-                             "--port", "0", *args], stderr=subprocess.PIPE, text=True)
+                             "--port", "0", *args], stderr=subprocess.PIPE, text=True, env=env)
     lines, deadline = [], time.monotonic() + 120
     while time.monotonic() < deadline and (line := proc.stderr.readline()):
         lines.append(line)
@@ -202,27 +202,37 @@ def start_cli_server(model_dir: str, *args: str):
 
 
 def test_cli_serves_a_checkpoint_with_sglang_flag_spelling(model_dirs, tmp_path):
-    """Also: one start-up line says what serves, and the second start reads every program
-    back from the program cache."""
+    """Also: start-up lines say what serves and which routes are open, the second start reads
+    every program back from the program cache, and takes its API key from the environment
+    without logging it."""
+    import os
     args = ["--dtype=auto", "--max-prefill-tokens", "64", "--max-seqs=4", "--max-rows=16",
             "--disable-prefix-cache", "--compile-cache-dir", str(tmp_path / "xla")]
+    key = "cli-key-42"
     for start in ("first", "second"):
-        proc, port, lines = start_cli_server(model_dirs["qwen3"], *args)
+        env = {**os.environ, "JAX_SCORE_API_KEY": key} if start == "second" else None
+        proc, port, lines = start_cli_server(model_dirs["qwen3"], *args, env=env)
+        auth = {"Authorization": f"Bearer {key}"} if env else {}
         try:
             assert re.search(r"serving .*qwen3: qwen3 in float32, xla kernels, 1 replica\(s\)"
                              r" of 1 cpu device\(s\) \(cpu\), KV pool of \d+ tokens a replica,"
-                             r" on http://", lines[-1]), lines[-1]
+                             r" fair scheduling, on http://", lines[-1]), lines[-1]
+            assert ("routes open: /health; with the API key: /v1/score" if env else
+                    "routes open: /v1/score") in lines[-2], lines[-2]
             ready = next(re.search(r"(\d+) programs ready in \d+ s: (\d+) read from the "
                                    r"program cache, (\d+) compiled", line) for line in lines
                          if "programs ready" in line)
             total, read, compiled = map(int, ready.groups())
             assert (read, compiled) == ((total, 0) if start == "second" else (0, total))
             assert call(port, "GET", "/health")[0] == 200
-            assert call(port, "GET", "/get_model_info")[1]["dtype"] == "float32"  # auto, CPU
-            status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True})
+            assert call(port, "GET", "/get_model_info", headers=auth)[1]["dtype"] == "float32"
+            status, payload, _ = call(port, "POST", "/v1/score", {**OK, "item_first": True},
+                                      auth)
             assert status == 200 and len(payload["scores"]) == 2
+            assert call(port, "POST", "/v1/score", OK)[0] == (401 if env else 200)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0  # a graceful stop
+            assert key not in "".join(lines) + proc.stderr.read()
         finally:
             proc.kill()
             proc.wait(30)
@@ -236,6 +246,19 @@ def test_cli_refuses_an_argument_that_is_not_a_flag(model_dirs):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "unexpected arguments ['_q_block', '8']" in proc.stderr
+
+
+def test_cli_refuses_an_empty_api_key_before_loading_the_model(model_dirs):
+    """An unset shell variable passed as the key must not start a server without one."""
+    import os
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "server", "--model-path", model_dirs["qwen3"],
+                           "--port", "0"], env={**os.environ, "JAX_SCORE_API_KEY": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "$JAX_SCORE_API_KEY: the API key must be non-empty" in proc.stderr
+    assert "replicas:" not in proc.stderr  # refused before the engine started
 
 
 def test_flag_values_that_look_like_flags_pass_unchanged():

@@ -1,7 +1,11 @@
 """Property-based fuzz of the server: any JSON body and any bytes on the socket get well-formed
-HTTP answers with a 2xx or 4xx status, and the server keeps serving."""
+HTTP answers with a 2xx or 4xx status, and the server keeps serving.
+
+The suite runs 300 examples of each; the long run (README, "Fuzzing") sets
+JAX_SCORE_FUZZ_EXAMPLES=10000 and --hypothesis-show-statistics, which lists the statuses seen."""
 import json
 import math
+import os
 import re
 import socket
 
@@ -13,7 +17,8 @@ from server.app import ServerConfig
 from server.http import Limits
 from tests.server_harness import OK, call, serving
 
-FUZZ = settings(max_examples=300, deadline=None, database=None,
+FUZZ = settings(max_examples=int(os.environ.get("JAX_SCORE_FUZZ_EXAMPLES", "300")),
+                deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 json_values = st.recursive(

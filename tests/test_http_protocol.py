@@ -41,6 +41,8 @@ def port(engines):
     b"POST /v1/score HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked"
     b"\r\n\r\n0\r\n\r\n",
                                   b"POST /v1/score HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                                  # a digit to str.isdigit, not to int(): found by the long fuzz
+                                  b"A / HTTP/1.0\r\nContent-Length:\xb2\r\n\r\n",
                                   b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n"])
 def test_malformed_http_gets_400_and_server_survives(port, data):
     assert raw_exchange(port, data).startswith(b"HTTP/1.1 400 ")

@@ -1,0 +1,108 @@
+"""Which waiting units a forward takes (CONTRACT §5): fair between large and small requests, or
+first come, first served; the order is asserted, never timed."""
+import concurrent.futures
+
+import pytest
+
+from runtime.engine import Engine
+from runtime.job import Job, Unit
+from runtime.request import parse_score_request
+from runtime.wait_queue import WaitQueue
+from tests.assertions import assert_no_leaked_pages, assert_scores_close
+from tests.gated_runner import GatedRunner
+from tests.tiny_models import small_config
+
+
+def job_with_units(name: str, n: int) -> tuple[Job, list[Unit]]:
+    job = Job(labels=[1], n_items=n, n_units=n, apply_softmax=True, is_classifier=False)
+    return job, [Unit(job, seq=f"{name}{k}", items=[k]) for k in range(n)]
+
+
+def names(queue: WaitQueue) -> list[str]:
+    return [unit.seq for unit in queue.in_order()]
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_requests_not_yet_served_go_in_arrival_order(policy):
+    queue = WaitQueue(policy)
+    for name, n in (("a", 2), ("b", 1), ("c", 2)):
+        queue.add(*job_with_units(name, n))
+    assert names(queue) == ["a0", "a1", "b0", "c0", "c1"] and len(queue) == 5
+
+
+def test_fair_puts_the_least_recently_served_first():
+    queue = WaitQueue("fair")
+    big, big_units = job_with_units("big", 3)
+    queue.add(big, big_units)
+    queue.take(big_units[0])
+    queue.forward_formed()
+    queue.add(*job_with_units("small", 1))   # arrives while big's first forward runs
+    assert names(queue) == ["small0", "big1", "big2"]
+    queue.take(queue.in_order()[0])
+    queue.forward_formed()
+    assert names(queue) == ["big1", "big2"]
+    queue.add(*job_with_units("late", 1))
+    assert names(queue) == ["late0", "big1", "big2"]
+
+
+def test_fair_gives_a_served_request_its_turn_back():
+    queue = WaitQueue("fair")
+    for name in ("a", "b"):
+        queue.add(*job_with_units(name, 3))
+    for expect in (["a0", "a1", "a2", "b0", "b1", "b2"], ["b0", "b1", "b2", "a1", "a2"],
+                   ["a1", "a2", "b1", "b2"]):
+        assert names(queue) == expect
+        queue.take(queue.in_order()[0])  # one unit a forward
+        queue.forward_formed()
+
+
+def test_fcfs_keeps_arrival_order_whatever_was_served():
+    queue = WaitQueue("fcfs")
+    big, big_units = job_with_units("big", 2)
+    queue.add(big, big_units)
+    queue.take(big_units[0])
+    queue.forward_formed()
+    queue.add(*job_with_units("small", 1))
+    assert names(queue) == ["big1", "small0"]
+
+
+def test_units_leave_in_order_and_dropped_jobs_are_forgotten():
+    queue = WaitQueue("fair")
+    job, units = job_with_units("a", 2)
+    queue.add(job, units)
+    with pytest.raises(ValueError, match="in order"):
+        queue.take(units[1])
+    queue.drop(job)
+    assert not queue and names(queue) == [] and list(queue) == []
+    with pytest.raises(ValueError, match="schedule policy"):
+        WaitQueue("lifo")
+
+
+def request(query, n_items, **kw):
+    return parse_score_request(dict(query=query, items=[[7 + k % 50] for k in range(n_items)],
+                                    label_token_ids=[1, 2], **kw))
+
+
+BIG = request(list(range(3, 23)), 40)  # 20 query tokens (2 full pages), 3 units of <= 16 rows
+
+
+@pytest.mark.parametrize("policy, rows", [
+    ("fair", [16, 3, 16, 8]),  # the small request takes the next forward
+    ("fcfs", [16, 16, 11])])   # it waits for the big one's last unit
+def test_a_small_request_behind_a_large_one(model_dirs, monkeypatch, policy, rows):
+    engine = Engine.from_path(model_dirs["qwen3"], small_config(
+        max_prefill_tokens=64, max_seqs=4, max_rows=16, schedule_policy=policy))
+    try:
+        gate = GatedRunner(engine.runner, monkeypatch)
+        big = engine.submit(BIG)
+        assert gate.entered.wait(60)  # the big request's first forward holds
+        small = engine.submit(request([60, 61], 3))
+        gate.release.set()
+        concurrent.futures.wait([big, small], 60)
+        assert gate.rows == rows
+        assert engine.scheduler.stats.cached_tokens == 2 * 16  # units 2, 3 reused the query
+        monkeypatch.undo()
+        assert_scores_close(big.result().scores, engine.score_request(BIG).scores, 1e-6)
+        assert_no_leaked_pages(engine)
+    finally:
+        engine.close()
