@@ -1,12 +1,11 @@
 """Who may call which route, over a real socket (CONTRACT §2): the API key and admin routes."""
-import http.client
 import logging
 
 import pytest
 
 from server.access import AccessPolicy, admin_routes_open, is_loopback
 from server.app import ServerConfig
-from tests.server_harness import OK, assert_error, call, serving
+from tests.server_harness import OK, assert_error, call, metrics_lines, serving
 
 KEY = "sk-test-0123456789"
 
@@ -63,18 +62,8 @@ def test_the_key_is_never_logged(engines, caplog):
 def test_metrics_without_key_opens_metrics_only(engines):
     access = AccessPolicy(api_key=KEY, metrics_without_key=True)
     with serving(engines["llama"], ServerConfig(access=access)) as port:
-        status, _, headers = call_text(port, "/metrics")
-        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        assert metrics_lines(port)  # a 200 in Prometheus text, without the key
         assert_error(*call(port, "GET", "/get_model_info")[:2], 401)
-
-
-def call_text(port, path):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    resp.read()
-    conn.close()
-    return resp.status, None, dict(resp.getheaders())
 
 
 def test_admin_routes_off_answer_403_and_the_rest_serves(engines):

@@ -22,6 +22,12 @@ def names(queue: WaitQueue) -> list[str]:
     return [unit.seq for unit in queue.in_order()]
 
 
+def forward_of_one(queue: WaitQueue, unit: Unit | None = None) -> None:
+    """A forward that takes `unit` (default: the first in order) and nothing else."""
+    queue.take(unit or queue.in_order()[0])
+    queue.forward_formed()
+
+
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
 def test_requests_not_yet_served_go_in_arrival_order(policy):
     queue = WaitQueue(policy)
@@ -34,12 +40,10 @@ def test_fair_puts_the_least_recently_served_first():
     queue = WaitQueue("fair")
     big, big_units = job_with_units("big", 3)
     queue.add(big, big_units)
-    queue.take(big_units[0])
-    queue.forward_formed()
+    forward_of_one(queue, big_units[0])
     queue.add(*job_with_units("small", 1))   # arrives while big's first forward runs
     assert names(queue) == ["small0", "big1", "big2"]
-    queue.take(queue.in_order()[0])
-    queue.forward_formed()
+    forward_of_one(queue)
     assert names(queue) == ["big1", "big2"]
     queue.add(*job_with_units("late", 1))
     assert names(queue) == ["late0", "big1", "big2"]
@@ -52,16 +56,14 @@ def test_fair_gives_a_served_request_its_turn_back():
     for expect in (["a0", "a1", "a2", "b0", "b1", "b2"], ["b0", "b1", "b2", "a1", "a2"],
                    ["a1", "a2", "b1", "b2"]):
         assert names(queue) == expect
-        queue.take(queue.in_order()[0])  # one unit a forward
-        queue.forward_formed()
+        forward_of_one(queue)
 
 
 def test_fcfs_keeps_arrival_order_whatever_was_served():
     queue = WaitQueue("fcfs")
     big, big_units = job_with_units("big", 2)
     queue.add(big, big_units)
-    queue.take(big_units[0])
-    queue.forward_formed()
+    forward_of_one(queue, big_units[0])
     queue.add(*job_with_units("small", 1))
     assert names(queue) == ["big1", "small0"]
 
