@@ -18,11 +18,14 @@ Per bucket it also reports:
   program's execution (dispatch, transfers, result decoding);
 - the yardstick: the time the forward's dense matmuls (projections, MLP, the output head's
   rows) take at the matmul rate of one 4096^3 float32 matmul, timed in turn with the forward;
+  the forward's multiple of it from the medians, and the median of each round's multiple
+  (a forward against the matmul timed just after it);
 - with --estimate: the same batch on one v6e chip in bfloat16, estimated from the compiled
   program's schedule (profiling.forward_estimate: a model, no TPU ran it), per level of the
   program (outside the layer loop, one layer), beside the roofline of its work.
 """
 import dataclasses
+import statistics
 import tempfile
 
 import jax
@@ -36,7 +39,7 @@ from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from profiling.forward_estimate import forward_estimate, v6e_batch
 from profiling.roofline import roofline
-from profiling.timing import WALL_CLOCK, interleaved_wall_times, subdir, wall_time, write_json
+from profiling.timing import WALL_CLOCK, interleaved_rounds, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import pages_needed
@@ -185,16 +188,20 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
         batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
                             runner.sizes)
         forward = (lambda: runner.run(batch, shape, with_lse), ())
-        seconds, matmul_s = interleaved_wall_times([forward, matmul], repeats)
+        rounds = interleaved_rounds([forward, matmul], repeats)
+        seconds, matmul_s = map(statistics.median, rounds)
         rate = matmul_flops / matmul_s
         split = time_split(engine, batch, shape, with_lse, repeats,
                            subdir(trace_dir, f"bucket_{bucket}"))
         tokens = sum(e.new_tokens for e in entries)
-        dense_s = dense_flops(cfg, tokens, len(labels), with_lse) / rate
+        dense = dense_flops(cfg, tokens, len(labels), with_lse)
+        dense_s = dense / rate
         rows.append({"bucket": shape.tokens, "tokens": tokens, "seqs": len(entries),
                      "rows": len(labels), "tokens_per_s": tokens / seconds,
                      "matmul_flops_per_s": rate, "dense_matmul_s": dense_s,
                      "vs_dense_matmul": seconds / dense_s,
+                     "vs_dense_matmul_by_round": statistics.median(
+                         f * matmul_flops / (dense * m) for f, m in zip(*rounds)),
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
@@ -231,7 +238,8 @@ def main(argv) -> None:
         print(f"bucket {r['bucket']:5d}: {r['tokens']:5d} tokens {r['rows']:3d} rows "
               f"{r['measured_s'] * 1e3:9.1f} ms {r['tokens_per_s']:8.0f} tok/s "
               f"{r['vs_dense_matmul']:5.2f}x dense matmuls at "
-              f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; build_batch "
+              f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s ({r['vs_dense_matmul_by_round']:.2f}x "
+              f"round by round); build_batch "
               f"{r['build_batch_s'] * 1e3:.1f} ms; {r['flops'] / 1e9:8.1f} GFLOP; v6e bound "
               f"{r['v6e_roofline_s'] * 1e6:8.1f} us\n    split: {split}")
         if r["v6e_estimate"]:

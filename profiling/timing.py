@@ -19,25 +19,31 @@ def wall_time(fn, args=(), repeats: int = 3, trace_dir: str | None = None) -> fl
     With `trace_dir`, the timed calls are traced there."""
     jax.block_until_ready(fn(*args))
     with tracing(trace_dir):
-        return _rounds([(fn, args)], repeats)[0]
+        return statistics.median(_rounds([(fn, args)], repeats)[0])
 
 
 def interleaved_wall_times(calls, repeats: int = 3) -> list[float]:
     """Median seconds per call of each `(fn, args)` in `calls`, timed in turn (one call of each
     per round, after a warm-up round), so that a shared machine's slow spells fall on all."""
+    return [statistics.median(times) for times in interleaved_rounds(calls, repeats)]
+
+
+def interleaved_rounds(calls, repeats: int = 3) -> list[list[float]]:
+    """Seconds of each call of `calls` in each of `repeats` rounds, timed as
+    `interleaved_wall_times` times them: a ratio of two calls is best taken round by round."""
     for fn, args in calls:
         jax.block_until_ready(fn(*args))
     return _rounds(calls, repeats)
 
 
-def _rounds(calls, repeats: int) -> list[float]:
+def _rounds(calls, repeats: int) -> list[list[float]]:
     times = [[] for _ in calls]
     for _ in range(repeats):
         for (fn, args), out in zip(calls, times):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             out.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def tracing(trace_dir: str | None):

@@ -6,6 +6,7 @@ ops nested in it (a while loop's body). Other events on the threads that run ops
 runtime's own bookkeeping, waits) count as `runtime`. Ops of one program may run on several
 threads at once, so op time can exceed wall time.
 """
+import bisect
 import collections
 import re
 
@@ -16,6 +17,8 @@ from profiling.timing import trace_events
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = ')
 _OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _EXECUTE = "ThunkExecutor::Execute (wait for completion)"
+_END = "end: "  # the runtime's marker of an op's completion
+_DOT = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = \S+ dot\(')
 
 
 def op_scopes(compiled: jax.stages.Compiled) -> dict[str, str]:
@@ -45,23 +48,45 @@ def op_events(trace_dir: str) -> list[dict]:
     return [e for e in trace_events(trace_dir, "*.trace.json.gz") if e.get("ph") == "X"]
 
 
+def completed(events: list[dict], async_ops: set[str]) -> list[dict]:
+    """Events of `async_ops` spanned to their completion. XLA CPU runs its (Eigen) dots
+    asynchronously: an op's event ends once the op is handed to the thread pool, and the
+    runtime's marker `end: <name>`, on any thread, says when it completed."""
+    ends = collections.defaultdict(list)
+    for e in events:
+        if e["name"].startswith(_END):
+            ends[e["name"][len(_END):]].append(e["ts"])
+    for times in ends.values():
+        times.sort()
+
+    def spanned(e):
+        marks = ends.get(e["name"], []) if e["name"] in async_ops else []
+        i = bisect.bisect_left(marks, e["ts"])
+        return {**e, "dur": max(e["dur"], marks[i] - e["ts"])} if i < len(marks) else e
+    return [spanned(e) for e in events]
+
+
 def self_times(events: list[dict]) -> list[tuple[int, str, float]]:
-    """(thread, name, self-time in µs) of every event: its duration less its children's."""
+    """(thread, name, self-time in µs) of every event: the time in which it is the latest
+    started of its thread's open events (an asynchronous op's span need not nest)."""
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[e["tid"]].append(e)
     out = []
     for tid, evs in by_thread.items():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack, own = [], {}
-        for i, e in enumerate(evs):
-            while stack and evs[stack[-1]]["ts"] + evs[stack[-1]]["dur"] <= e["ts"]:
-                stack.pop()
-            own[i] = e["dur"]
-            if stack:
-                own[stack[-1]] -= e["dur"]
-            stack.append(i)
-        out += [(tid, evs[i]["name"], own[i]) for i in range(len(evs))]
+        timed = [(i, e) for i, e in enumerate(evs) if e["dur"] > 0]  # markers own nothing
+        bounds = sorted([(e["ts"] + e["dur"], 0, 0, i) for i, e in timed]
+                        + [(e["ts"], 1, -e["dur"], i) for i, e in timed])
+        open_, own, last = [], [0.0] * len(evs), 0.0
+        for t, starts, _, i in bounds:
+            if open_:
+                own[open_[-1]] += t - last
+            last = t
+            if starts:
+                open_.append(i)
+            else:
+                open_.remove(i)
+        out += [(tid, e["name"], own[i]) for i, e in enumerate(evs)]
     return out
 
 
@@ -76,13 +101,14 @@ def breakdown(compiled: jax.stages.Compiled, trace_dir: str, calls: int,
     """Seconds per call: op self-time by scope, `other` ops, `runtime` (non-op events on the
     op threads) and `executions` (the runtime's span of each execution, where it reports it)."""
     names, events = op_scopes(compiled), op_events(trace_dir)
-    times = self_times(events)
+    dots = {m.group(1) for m in map(_DOT.match, compiled.as_text().splitlines()) if m}
+    times = self_times(completed(events, dots))
     op_threads = {tid for tid, name, _ in times if name in names}
     total = collections.Counter({s: 0.0 for s in (*scopes, "other", "runtime")})
     for tid, name, us in times:
         if name in names:
             total[scope_of(names[name], scopes)] += us
-        elif tid in op_threads and name != _EXECUTE and not name.startswith("end:"):
+        elif tid in op_threads and name != _EXECUTE and not name.startswith(_END):
             total["runtime"] += us
     total["executions"] = sum(e["dur"] for e in events if e["name"] == _EXECUTE)
     return {k: v / 1e6 / calls for k, v in total.items()}

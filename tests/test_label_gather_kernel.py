@@ -7,6 +7,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import (
+    ROW_BLOCK,
     final_norm_label_gather_reference,
     final_norm_label_gather_xla,
 )
@@ -56,16 +57,15 @@ def test_kernel_matches_reference(case):
 
 
 @pytest.mark.parametrize("with_lse", [True, False])
-@pytest.mark.parametrize("num_rows", [0, 1, 3, 5, 16, 20, 37, 64])  # tails of 1, 4, 16 rows
+@pytest.mark.parametrize("num_rows", [0, 1, 3, 17, 40, 64, 65, 100, 129])  # every tail block
 def test_xla_path_computes_the_first_rows(num_rows, with_lse):
-    args = inputs(np.random.default_rng(num_rows), 64, 3, 5000, jnp.float32)
+    args = inputs(np.random.default_rng(num_rows), 192, 3, 5000, jnp.float32)
     kw = dict(eps=1e-6, with_logsumexp=with_lse)
     want = final_norm_label_gather_reference(*args, **kw)
-    got = jax.jit(final_norm_label_gather_xla,
-                  static_argnames=("eps", "with_logsumexp", "row_block"))(
-        *args, **kw, num_rows=num_rows, row_block=16)
+    got = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp"))(
+        *args, **kw, num_rows=num_rows)
     np.testing.assert_allclose(got[0][:num_rows], want[0][:num_rows], rtol=1e-5, atol=1e-5)
-    skipped = -(-num_rows // 16) * 16  # whole row blocks past num_rows are not computed
+    skipped = -(-num_rows // ROW_BLOCK) * ROW_BLOCK  # whole row blocks past num_rows: not computed
     assert not np.asarray(got[0][skipped:]).any()
     if with_lse:
         np.testing.assert_allclose(got[1][:num_rows], want[1][:num_rows], rtol=1e-5, atol=1e-5)

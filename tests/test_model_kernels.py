@@ -67,3 +67,28 @@ def test_per_layer_weights_give_the_stacked_forward(engines):
     got, want = forward(per_layer, cache, batch), forward(stacked, cache, batch)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)  # label logits
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)  # logsumexp
+
+
+def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
+    """On CPU the forward is compiled with runtime.forward_programs.COMPILER_OPTIONS: no
+    YNNPACK fusions, which XLA's defaults make of the same program; the results agree."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.decoder import empty_cache
+    from profiling.bench_forward import schedule
+    from runtime.batch_builder import build_batch
+    runner = engines["qwen3"].runner
+    entries, labels, shape = schedule(engines["qwen3"], 64, np.random.default_rng(0))
+    batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
+                        runner.sizes)
+    ours = runner.programs.get(shape, True)
+    defaults = runner.programs.lower(shape, True).compile()
+    assert "ynn_fusion" in defaults.as_text() and "ynn_fusion" not in ours.as_text()
+    # each on a pool of its own: the batch's pages are not the engine's to write
+    got, want = (program(runner.params, empty_cache(runner.cfg, runner.num_pages,
+                                                    runner.buckets.page_size, jnp.float32,
+                                                    "xla"), batch)
+                 for program in (ours, defaults))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # label logits
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)  # logsumexp

@@ -140,6 +140,8 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
     assert all(r["matmul_flops_per_s"] > 0 for r in result["buckets"])
     for r in rows:
         assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
+        # one round: its multiple is the medians' multiple
+        assert r["vs_dense_matmul_by_round"] == pytest.approx(r["vs_dense_matmul"])
         assert r["build_batch_s"] > 0
         split = r["split_s"]
         for scope in ("qkv", "out_proj", "mlp", "attention", "kv_write", "label_gather"):
@@ -150,13 +152,21 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
 
 
 def test_trace_breakdown_takes_self_time_and_the_first_named_scope():
-    from profiling.trace_breakdown import scope_of, self_times
+    from profiling.trace_breakdown import completed, scope_of, self_times
     events = [{"tid": 1, "ts": 0, "dur": 10, "name": "while"},  # holds the next two
               {"tid": 1, "ts": 1, "dur": 3, "name": "dot"},
               {"tid": 1, "ts": 5, "dur": 4, "name": "exp"},
               {"tid": 2, "ts": 2, "dur": 6, "name": "copy"}]  # another thread: not nested
     assert sorted(self_times(events)) == [(1, "dot", 3), (1, "exp", 4), (1, "while", 3),
                                           (2, "copy", 6)]
+    # An asynchronous dot, handed off at 1 and completed at 6 (the marker on another thread),
+    # while the exp starts at 5: each op owns the time it is the latest started.
+    events += [{"tid": 2, "ts": 6, "dur": 0, "name": "end: dot"},
+               {"tid": 1, "ts": 9.5, "dur": 0, "name": "end: exp"}]
+    spanned = completed(events, {"dot"})
+    assert [e["dur"] for e in spanned] == [10, 5, 4, 6, 0, 0]  # only the async op is spanned
+    assert sorted(t for t in self_times(spanned) if t[1] in ("dot", "exp", "while")) == [
+        (1, "dot", 4), (1, "exp", 4), (1, "while", 2)]
     scopes = ("qkv", "attention", "mlp")
     assert scope_of("jit(f)/while/body/layer/attention/while/body/exp", scopes) == "attention"
     assert scope_of("jit(f)/while/body/layer/mlp/dot_general", scopes) == "mlp"
