@@ -92,3 +92,17 @@ def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
                  for program in (ours, defaults))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # label logits
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)  # logsumexp
+
+
+def test_the_mlps_silu_is_jaxs_to_float32_rounding_over_the_whole_range():
+    """model.decoder writes silu with exp; at large negative inputs exp(-x) overflows to inf
+    and the quotient must still be (minus) zero, never NaN."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.decoder import _silu
+    x = jnp.concatenate([jnp.linspace(-120.0, 120.0, 100_001),
+                         jnp.array([-3e38, -1e4, -88.7, -0.0, 0.0, 1e-30, 1e4, 3e38])])
+    got, want = np.asarray(_silu(x)), np.asarray(jax.nn.silu(x))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
