@@ -22,15 +22,10 @@ def wall_time(fn, args=(), repeats: int = 3, trace_dir: str | None = None) -> fl
         return statistics.median(_rounds([(fn, args)], repeats)[0])
 
 
-def interleaved_wall_times(calls, repeats: int = 3) -> list[float]:
-    """Median seconds per call of each `(fn, args)` in `calls`, timed in turn (one call of each
-    per round, after a warm-up round), so that a shared machine's slow spells fall on all."""
-    return [statistics.median(times) for times in interleaved_rounds(calls, repeats)]
-
-
 def interleaved_rounds(calls, repeats: int = 3) -> list[list[float]]:
-    """Seconds of each call of `calls` in each of `repeats` rounds, timed as
-    `interleaved_wall_times` times them: a ratio of two calls is best taken round by round."""
+    """Seconds of each `(fn, args)` in `calls` in each of `repeats` rounds, timed in turn (one
+    call of each per round, after a warm-up round), so that a shared machine's slow spells fall
+    on all: a ratio of two calls is best taken round by round."""
     for fn, args in calls:
         jax.block_until_ready(fn(*args))
     return _rounds(calls, repeats)

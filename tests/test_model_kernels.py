@@ -3,6 +3,8 @@ equals the dense reference path."""
 import types
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernels.attention_plan import BlockSizes
@@ -39,17 +41,23 @@ def test_the_xla_loop_takes_its_block_sizes_by_platform():
         EngineConfig(kv_block=-16)
 
 
+def _forward_batch(engine, tokens: int):
+    """bench_forward's batch of SGLang-shaped sequences for `tokens`, and its shape."""
+    from profiling.bench_forward import schedule
+    from runtime.batch_builder import build_batch
+    runner = engine.runner
+    entries, labels, shape = schedule(engine, tokens, np.random.default_rng(0))
+    return build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
+                       runner.sizes), shape
+
+
 def test_per_layer_weights_give_the_stacked_forward(engines):
     """CPU runners hold each layer's matrices apart (model.params.per_layer_matrices); the
     stacked params that other devices scan give the same forward."""
     import functools
 
-    import jax.numpy as jnp
-    import numpy as np
 
     from model.decoder import empty_cache, score_forward
-    from profiling.bench_forward import schedule
-    from runtime.batch_builder import build_batch
     engine = engines["qwen3"]
     runner, cfg = engine.runner, engine.cfg
     per_layer = runner.params
@@ -58,9 +66,7 @@ def test_per_layer_weights_give_the_stacked_forward(engines):
     stacked = {**{k: v for k, v in per_layer.items() if k != "layer_matrices"},
                "layers": {**per_layer["layers"],
                           **{k: jnp.stack([m[k] for m in matrices]) for k in matrices[0]}}}
-    entries, labels, shape = schedule(engine, 64, np.random.default_rng(0))
-    batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                        runner.sizes)
+    batch, shape = _forward_batch(engine, 64)
     forward = jax.jit(functools.partial(score_forward, cfg=cfg, max_q_len=shape.tokens,
                                         with_logsumexp=True, backend="xla", sizes=runner.sizes))
     cache = empty_cache(cfg, runner.num_pages, runner.buckets.page_size, jnp.float32, "xla")
@@ -72,16 +78,10 @@ def test_per_layer_weights_give_the_stacked_forward(engines):
 def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
     """On CPU the forward is compiled with runtime.forward_programs.COMPILER_OPTIONS: no
     YNNPACK fusions, which XLA's defaults make of the same program; the results agree."""
-    import jax.numpy as jnp
-    import numpy as np
 
     from model.decoder import empty_cache
-    from profiling.bench_forward import schedule
-    from runtime.batch_builder import build_batch
     runner = engines["qwen3"].runner
-    entries, labels, shape = schedule(engines["qwen3"], 64, np.random.default_rng(0))
-    batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                        runner.sizes)
+    batch, shape = _forward_batch(engines["qwen3"], 64)
     ours = runner.programs.get(shape, True)
     defaults = runner.programs.lower(shape, True).compile()
     assert "ynn_fusion" in defaults.as_text() and "ynn_fusion" not in ours.as_text()
@@ -97,8 +97,6 @@ def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
 def test_the_mlps_silu_is_jaxs_to_float32_rounding_over_the_whole_range():
     """model.decoder writes silu with exp; at large negative inputs exp(-x) overflows to inf
     and the quotient must still be (minus) zero, never NaN."""
-    import jax.numpy as jnp
-    import numpy as np
 
     from model.decoder import _silu
     x = jnp.concatenate([jnp.linspace(-120.0, 120.0, 100_001),
