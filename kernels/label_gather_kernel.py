@@ -14,7 +14,9 @@ that label k is a dynamic index Mosaic accepts and padded labels cost nothing.
   serves this mode too.
 - With logsumexp: the head streams through VMEM in vocabulary tiles; a float32 online
   max/sum gives the logsumexp and label columns are picked inside each tile by comparing
-  column ids with the label ids (no dynamic gather). Columns past V are masked.
+  column ids with the label ids (no dynamic gather). Columns past V are masked. A call takes
+  at most _STREAM_LABELS labels, and its VMEM stays within v6e's 32 MiB scoped limit up to
+  hidden 16384 in bfloat16 (README, "Compiled for TPU v6e").
 """
 import functools
 
@@ -29,7 +31,8 @@ from kernels.tpu_tiles import LANES, SUBLANES
 
 _CHUNK_TILES = 8  # labels only: head tiles per chunk (README, "Label gather")
 _LABEL_ROWS = 256  # labels only: rows per grid step, on lanes
-_HEAD_TILE_BYTES = 8 << 20  # streamed: one vocabulary tile of the head (double-buffered)
+_HEAD_TILE_BYTES = 4 << 20  # streamed: one vocabulary tile of the head (double-buffered)
+_STREAM_LABELS = 64  # streamed: labels of one kernel call (VMEM, see _by_label_groups)
 
 
 def _next_run(runs_smem, row):
@@ -114,7 +117,12 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
 
     @pl.when(j == 0)
     def _():
-        x_ref[...] = rms_norm(hidden_ref[...], norm_ref[0], eps)
+        def norm_rows(c, carry):  # a [rows, hidden] float32 value: 8 MiB of VMEM at 256 x 8192
+            rows = pl.ds(pl.multiple_of(c * SUBLANES, SUBLANES), SUBLANES)
+            x_ref[rows, :] = rms_norm(hidden_ref[rows, :], norm_ref[0], eps)
+            return carry
+
+        jax.lax.fori_loop(0, x_ref.shape[0] // SUBLANES, norm_rows, 0)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -225,7 +233,7 @@ def _label_tiles(counts, hidden, norm, head, labels, runs, row_block, interpret,
     return out[:, 0, :].T
 
 
-def _streamed(counts, hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw):
+def _streamed(counts, *, hidden, norm, head, labels, row_block, vocab_tile, interpret, **kw):
     (r, h), v, k = hidden.shape, head.shape[0], labels.shape[1]
     rows = lambda i, j, *_: (i, 0)  # noqa: E731
     by_label = lambda i, j, *_: (0, i, 0)  # noqa: E731
@@ -252,15 +260,35 @@ def _streamed(counts, hidden, norm, head, labels, row_block, vocab_tile, interpr
     return logits[:, :, 0].T, lse[:, 0]
 
 
+def _by_label_groups(streamed, counts, labels, group: int):
+    """The streamed kernel on up to `group` labels at a time: its VMEM holds a row block's
+    labels and logits lane-padded, about 0.3 MiB a label at 256 rows. The first call gives
+    the logsumexp; a later group holding no real label (counts[1], a runtime value) skips
+    the head."""
+    def call(first):
+        part = labels[:, first:first + group]
+        return streamed(counts.at[1].set(jnp.clip(counts[1] - first, 0, part.shape[1])),
+                        labels=part)
+
+    logits, lse = call(0)
+    for first in range(group, labels.shape[1], group):
+        zeros = jnp.zeros((labels.shape[0], min(group, labels.shape[1] - first)), jnp.float32)
+        logits = jnp.concatenate([logits, jax.lax.cond(
+            counts[1] > first, lambda f=first: call(f)[0], lambda z=zeros: z)], axis=1)
+    return logits, lse
+
+
 def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
                             with_logsumexp: bool, num_rows=None, num_labels=None,
                             vocab_tile: int = 2048, max_stream_rows: int = 256,
+                            max_stream_labels: int = _STREAM_LABELS,
                             max_label_rows: int = _LABEL_ROWS, interpret=False):
     """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
 
     `num_rows`, `num_labels` (runtime data; None: all): the real rows and the real labels of
     any row; label columns past `num_labels` come back 0. The streamed mode reads the head
-    once per block of up to `max_stream_rows` rows; labels only, a grid step takes up to
+    once per block of up to `max_stream_rows` rows, and once more per further group of
+    `max_stream_labels` labels that holds a real label; labels only, a grid step takes up to
     `max_label_rows` rows (a multiple of 128 where there are more rows)."""
     check_gather_shapes(hidden, norm_weight, head, label_ids)
     (r, h), (vocab, k) = hidden.shape, (head.shape[0], label_ids.shape[1])
@@ -271,10 +299,12 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
 
     def streamed():
         row_block = streamed_row_block(r, max_stream_rows)
-        logits, lse = _streamed(counts, _pad_rows(hidden, row_block), norm_weight, head,
-                                _pad_rows(labels, row_block), row_block,
-                                head_tile_rows(vocab, h, head.dtype.itemsize, vocab_tile),
-                                interpret, **kw)
+        call = functools.partial(_streamed, hidden=_pad_rows(hidden, row_block), norm=norm_weight,
+                                 head=head, row_block=row_block, interpret=interpret,
+                                 vocab_tile=head_tile_rows(vocab, h, head.dtype.itemsize,
+                                                           vocab_tile), **kw)
+        logits, lse = _by_label_groups(call, counts, _pad_rows(labels, row_block),
+                                       max_stream_labels)
         return logits[:r], lse[:r]
 
     if with_logsumexp:

@@ -156,6 +156,20 @@ def test_kernel_compiles_for_v6e(with_lse, vocab, width, dtype):
                                         else ["label_gather_streamed"])
 
 
+@pytest.mark.parametrize("vocab, width, dtype, n_labels", [
+    (128256, 8192, jnp.bfloat16, 64), (128256, 16384, jnp.bfloat16, 64),
+    (128256, 8192, jnp.float32, 64), (151936, 1024, jnp.bfloat16, 256)])
+def test_the_servers_largest_block_fits_vmem_at_any_width(vocab, width, dtype, n_labels):
+    """256 rows (the default --max-rows) and --max-labels labels, at 70B- and 405B-class
+    widths: Mosaic refuses a kernel whose VMEM passes the 32 MiB scoped limit (hidden 8192
+    needed 37.7 MiB before the norm went by row chunks and the head tiles halved; 256 labels,
+    75 MiB before the streamed kernel took 64 at a time). Labels only: both kernels compile."""
+    compiled = compile_for_v6e(
+        lambda *a: final_norm_label_gather(*a, eps=1e-6, with_logsumexp=False),
+        *shapes(256, vocab, width, n_labels, dtype))
+    assert mosaic_kernels(compiled) == ["label_gather_rows", "label_gather_streamed"]
+
+
 def test_compiled_kernels_hold_no_rows_by_vocab_buffer():
     full = "f32[64,151936]"
     for with_lse in (True, False):
@@ -176,4 +190,18 @@ def test_streamed_mode_over_several_row_blocks():
     got = final_norm_label_gather(*args, **kw, vocab_tile=1024, max_stream_rows=8,
                                   interpret=pltpu.InterpretParams())
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_labels", [5, 3, 2])
+def test_streamed_mode_in_label_groups(num_labels):
+    """5 label slots in groups of 2: a group past the real labels skips the head and gives 0."""
+    args = inputs(np.random.default_rng(num_labels), 20, 5, 5000, jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=True)
+    want = final_norm_label_gather_reference(*args, **kw)
+    got = final_norm_label_gather(*args, **kw, num_labels=num_labels, vocab_tile=1024,
+                                  max_stream_labels=2, interpret=pltpu.InterpretParams())
+    np.testing.assert_allclose(got[0][:, :num_labels], want[0][:, :num_labels], rtol=1e-5,
+                               atol=1e-5)
+    assert not np.asarray(got[0][:, num_labels:]).any()
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
