@@ -159,7 +159,7 @@ def test_kernel_compiles_for_v6e(with_lse, vocab, width, dtype):
 @pytest.mark.parametrize("vocab, width, dtype, n_labels", [
     (128256, 8192, jnp.bfloat16, 64), (128256, 16384, jnp.bfloat16, 64),
     (128256, 8192, jnp.float32, 64), (151936, 1024, jnp.bfloat16, 256)])
-def test_the_servers_largest_block_fits_vmem_at_any_width(vocab, width, dtype, n_labels):
+def test_largest_block_fits_vmem_wide_or_with_many_labels(vocab, width, dtype, n_labels):
     """256 rows (the default --max-rows) and --max-labels labels, at 70B- and 405B-class
     widths: Mosaic refuses a kernel whose VMEM passes the 32 MiB scoped limit (hidden 8192
     needed 37.7 MiB before the norm went by row chunks and the head tiles halved; 256 labels,
