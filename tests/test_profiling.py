@@ -307,3 +307,52 @@ def test_random_checkpoint_of_each_sized_model_has_its_config(tmp_path):
                                 num_kv_heads=2, head_dim=16)
     loaded, params, _ = load_model(write_checkpoint(str(tmp_path), config_json(small), std=0.02))
     assert loaded == small and params["embed"].shape == (512, 64)
+
+
+PERF_SAMPLES = """13871
+\t    7fe61c317cd9 [unknown] (/tmp/perf-13866.map)
+\tbc85d391be3965bc [unknown] ([unknown])
+
+13872
+\t    7fe65001723c [unknown] (/tmp/perf-13866.map)
+\t         91c7577 xla::cpu::Worker::Parallelize<xla::cpu::Kernel::Task<true> > (libjax_common.so)
+\t         7987e04 Eigen::ThreadPoolTempl<Env>::WorkerLoop (libjax_common.so)
+
+13871
+\t    55d0 Eigen::internal::gemm_pack_colmajor_block<float, long>::operator() (libjax_common.so)
+\t    7987e04 Eigen::ThreadPoolTempl<Env>::WorkerLoop (libjax_common.so)
+
+13872
+\t    7987a10 Eigen::ThreadPoolTempl<tsl::thread::EigenEnvironment>::GlobalSteal (libjax_common.so)
+
+13871
+\t    ffffffff8110 finish_task_switch.isra.0 ([kernel.kallsyms])
+
+13872
+\t    9a110 _int_malloc (/usr/lib/x86_64-linux-gnu/libc.so.6)
+"""
+
+
+def test_cpu_samples_class_each_sample_by_its_frames():
+    from profiling.cpu_samples import CLASSES, class_shares
+    shares = class_shares(PERF_SAMPLES)
+    assert shares["samples"] == 6
+    assert [shares[c] for c in CLASSES] == [1 / 6] * 6  # one sample of each class, in order
+    with pytest.raises(ValueError, match="no samples"):
+        class_shares("")
+
+
+def test_cpu_samples_cli_profiles_each_bucket_asked(model_dirs, tmp_path):
+    from profiling.cpu_samples import CLASSES
+    out = tmp_path / "cpu_samples.json"
+    done = subprocess.run([sys.executable, "-m", "profiling.cpu_samples", "--model-path",
+                           model_dirs["llama"], "--max-prefill-tokens", "64", "--buckets",
+                           "16,64", "--seconds", "1", "--reference-matmul", "256", "--out",
+                           str(out)], check=True, capture_output=True, text=True, timeout=300)
+    assert "shares of perf's samples" in done.stdout
+    rows = json.loads(out.read_text())["buckets"]
+    assert [r["bucket"] for r in rows] == [16, 64]
+    for r in rows:
+        assert r["forwards"] > 0 and r["shares"]["samples"] > 100  # 1 s at 999 Hz, or more
+        assert sum(r["shares"][c] for c in CLASSES) == pytest.approx(1)
+        assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
