@@ -103,7 +103,7 @@ def sampled(fn, seconds: float) -> tuple[list[float], dict]:
         _, err = recorder.communicate()  # exits nonzero on SIGINT, having written the data
         if not os.path.exists(data):
             raise RuntimeError(f"perf record failed: {err.strip()}")
-        script, err = _perf("script", "-i", data, "-F", "tid,ip,sym,dso").communicate()
+        script, _ = _perf("script", "-i", data, "-F", "tid,ip,sym,dso").communicate()
     return times, class_shares(script)
 
 
