@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from profiling.bench_forward import dense_flops, reference_matmul, schedule
-from profiling.timing import write_json
+from profiling.timing import wall_time, write_json
 from runtime.batch_builder import build_batch
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
@@ -107,17 +107,6 @@ def sampled(fn, seconds: float) -> tuple[list[float], dict]:
     return times, class_shares(script)
 
 
-def _matmul_rate(matmul, flops: int, repeats: int = 5) -> float:
-    fn, args = matmul
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return flops / statistics.median(times)
-
-
 def run(engine: Engine, buckets: list[int], seconds: float, matmul_n: int = 4096) -> dict:
     runner, rows = engine.runner, []
     matmul, matmul_flops = reference_matmul(matmul_n)
@@ -127,9 +116,9 @@ def run(engine: Engine, buckets: list[int], seconds: float, matmul_n: int = 4096
                             runner.sizes)
         forward = lambda: runner.run(batch, shape, True)  # noqa: E731
         jax.block_until_ready(forward())  # compiles
-        rate_before = _matmul_rate(matmul, matmul_flops)
+        rate_before = matmul_flops / wall_time(*matmul, repeats=5)
         times, shares = sampled(forward, seconds)
-        rate = (rate_before + _matmul_rate(matmul, matmul_flops)) / 2
+        rate = (rate_before + matmul_flops / wall_time(*matmul, repeats=5)) / 2
         dense_s = dense_flops(engine.cfg, sum(e.new_tokens for e in entries), len(labels),
                               True) / rate
         median = statistics.median(times)
