@@ -73,9 +73,13 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
                 jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
 
     num_rows = jnp.asarray(num_rows, jnp.int32)
-    full = num_rows // row_block
     out = (jnp.zeros((r + pad, k), jnp.float32), jnp.zeros(r + pad, jnp.float32))
-    out = jax.lax.fori_loop(0, full, lambda i, out: block(i * row_block, row_block, out), out)
+    full = 0
+    # With one block the loop's slice would be invariant: XLA hoisted its dot out of the loop
+    # and ran it even at 0 trips. The switch below takes that block instead.
+    if r + pad > row_block:
+        full = num_rows // row_block
+        out = jax.lax.fori_loop(0, full, lambda i, o: block(i * row_block, row_block, o), out)
     sizes = sorted({s for s in TAIL_BLOCKS if s < row_block} | {row_block})
     tail, start = num_rows - full * row_block, full * row_block
     branches = [lambda out: out] + [functools.partial(block, start, s) for s in sizes]

@@ -73,6 +73,19 @@ def test_xla_path_computes_the_first_rows(num_rows, with_lse):
         assert got[1] is None
 
 
+@pytest.mark.parametrize("rows", [16, ROW_BLOCK])
+def test_xla_path_with_one_row_block_computes_it_in_the_switch_only(rows):
+    """Buckets up to 64 tokens have one block of rows. A loop over whole blocks would slice the
+    same rows on every trip, and XLA hoisted that block's head dot out of the loop, to run even
+    at 0 trips (a third of a 16-token forward's time on CPU). XLA's own count of the program's
+    FLOPs must be that of one block at most (a switch counts as its largest branch)."""
+    args = inputs(np.random.default_rng(rows), rows, 3, 5000, jnp.float32)
+    compiled = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp")
+                       ).lower(*args, eps=1e-6, with_logsumexp=True, num_rows=1).compile()
+    block_flops = 2 * ROW_BLOCK * args[0].shape[1] * args[2].shape[0]
+    assert compiled.cost_analysis()["flops"] < 1.2 * block_flops
+
+
 @pytest.mark.parametrize("with_lse", [True, False])
 def test_padded_rows_and_labels_are_skipped(with_lse):
     """Only the first num_rows rows and num_labels labels are real; the rest come back 0."""
