@@ -151,6 +151,21 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
         f"bucket_{b}" for b in sorted(["16", "64"])]
 
 
+def test_bench_layer_layout_times_every_layout_on_the_same_work(model_dirs, tmp_path):
+    out = tmp_path / "layouts.json"
+    subprocess.run([sys.executable, "-m", "profiling.bench_layer_layout", "--model-path",
+                    model_dirs["llama"], "--tokens", "8,32", "--rounds", "2", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [8, 32]
+    for r in rows:
+        assert r["max_abs_difference"] < 1e-3  # the four layouts compute the same thing
+        assert set(r["layouts"]) == {"token_major", "feature_major", "feature_major_in_out",
+                                     "token_major_out_in"}
+        assert r["layouts"]["token_major"]["vs_token_major"] == 1.0
+        assert all(t["seconds"] > 0 and t["flops_per_s"] > 0 for t in r["layouts"].values())
+
+
 def test_trace_breakdown_takes_self_time_and_the_first_named_scope():
     from profiling.trace_breakdown import completed, scope_of, self_times
     events = [{"tid": 1, "ts": 0, "dur": 10, "name": "while"},  # holds the next two
