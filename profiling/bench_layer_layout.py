@@ -24,12 +24,14 @@ from absl import app, flags
 
 from model.config import ModelConfig
 from model.loader import load_config
+from model.params import expected_shapes
 from profiling.bench_forward import layer_flops
 from profiling.timing import interleaved_rounds, write_json
 from runtime.cli_flags import parse_flags
 from runtime.forward_programs import COMPILER_OPTIONS
 
 FLAGS = flags.FLAGS
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 # name: (features on axis 0, weights stored [out, in])
 LAYOUTS = {"token_major": (False, False), "feature_major": (True, True),
            "feature_major_in_out": (True, False), "token_major_out_in": (False, True)}
@@ -45,10 +47,7 @@ def define_flags() -> None:
 
 def random_matrices(cfg: ModelConfig, seed: int = 0) -> list[dict]:
     """Each layer's matrices, [in, out], float32."""
-    h, qd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    kvd, mlp = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h),
-              "w_gate": (h, mlp), "w_up": (h, mlp), "w_down": (mlp, h)}
+    shapes = {n: expected_shapes(cfg)[n][::-1] for n in MATRICES}  # HF's are [out, in]
     rng = np.random.default_rng(seed)
     return [{n: (rng.standard_normal(s, np.float32) * s[0] ** -0.5) for n, s in shapes.items()}
             for _ in range(cfg.num_layers)]
