@@ -88,6 +88,12 @@ def layout_weights(matrices: list[dict], out_in: bool) -> list[dict]:
     return [{n: jnp.asarray(w.T if out_in else w) for n, w in m.items()} for m in matrices]
 
 
+def _layout_row(seconds: list[float], base: list[float], flops: int) -> dict:
+    median = statistics.median(seconds)
+    return {"seconds": median, "flops_per_s": flops / median,
+            "vs_token_major": statistics.median(a / b for a, b in zip(seconds, base))}
+
+
 def run(cfg: ModelConfig, token_counts: list[int], rounds: int) -> dict:
     matrices = random_matrices(cfg)
     weights = {out_in: layout_weights(matrices, out_in) for out_in in (False, True)}
@@ -110,9 +116,7 @@ def run(cfg: ModelConfig, token_counts: list[int], rounds: int) -> dict:
         base = times["token_major"]
         flops = cfg.num_layers * layer_flops(cfg, tokens)
         rows.append({"tokens": tokens, "max_abs_difference": diff, "layouts": {
-            name: {"seconds": statistics.median(t), "flops_per_s": flops / statistics.median(t),
-                   "vs_token_major": statistics.median(a / b for a, b in zip(t, base))}
-            for name, t in times.items()}})
+            name: _layout_row(t, base, flops) for name, t in times.items()}})
     return {"model": cfg.family, "device": jax.devices()[0].device_kind,
             "timing": "wall clock after block_until_ready, median; layouts timed in turn",
             "rows": rows}
