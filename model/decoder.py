@@ -2,7 +2,10 @@
 
 params (see model.params) + config + ForwardBatch + KV cache -> label logits of the scored rows.
 The layers' weights are stacked and scanned, so compile time does not grow with depth (on
-CPU, the matrices are one array per layer and a switch in the scan picks them).
+CPU, the matrices are one array per layer, [out, in], and a switch in the scan picks them).
+Activations are token-major, [tokens, features], except in CPU programs of up to
+FEATURE_MAJOR_MAX_TOKENS tokens, which keep them feature-major, [features, tokens], around
+the dots (README, "Forward per bucket").
 """
 import functools
 from typing import Callable
@@ -20,6 +23,8 @@ from model.config import ModelConfig
 from model.params import head_weight
 from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
+FEATURE_MAJOR_MAX_TOKENS = 512
+
 
 def rope_tables(positions, head_dim: int, theta: float):
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
@@ -34,60 +39,79 @@ def apply_rope(x, cos, sin):
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-Dot = Callable  # (x, name) -> x @ this layer's weight `name`, float32
+Dot = Callable  # (x, name) -> x @ this layer's weight `name` (w @ x feature-major), float32
 
 
-def _layer_dot(lp: dict, matrices: tuple | None, layer) -> Dot:
-    """Matmuls with this layer's weights: sliced out of the stacked params (`lp`), or, with
-    per-layer matrices (model.params.per_layer_matrices), a switch on the layer whose
-    branches each read their own array, so that no weight is copied first."""
+def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool) -> Dot:
+    """Matmuls with this layer's weights: sliced out of the stacked params (`lp`, [in, out]),
+    or, with per-layer matrices (model.params.per_layer_matrices, [out, in]), a switch on the
+    layer whose branches each read their own array, so that no weight is copied first."""
     def stacked(x, name):
         return jnp.dot(x, lp[name], preferred_element_type=jnp.float32)
 
     def per_layer(x, name):
-        return jax.lax.switch(layer, _dot_branches(len(matrices)), x,
+        return jax.lax.switch(layer, _dot_branches(len(matrices), feature_major), x,
                               tuple(m[name] for m in matrices))
 
     return stacked if matrices is None else per_layer
 
 
 @functools.cache
-def _dot_branches(num_layers: int) -> tuple:
+def _dot_branches(num_layers: int, feature_major: bool) -> tuple:
     """The same branch functions every time: JAX reuses a branch's trace for the same function
     and operand shapes (each projection of a program, and the programs of one bucket)."""
-    return tuple(functools.partial(_dot_nth, n) for n in range(num_layers))
+    dot = _dot_feature_major if feature_major else _dot_token_major
+    return tuple(functools.partial(dot, n) for n in range(num_layers))
 
 
-def _dot_nth(n: int, x, weights: tuple):
-    return jnp.dot(x, weights[n], preferred_element_type=jnp.float32)
+def _dot_token_major(n: int, x, weights: tuple):
+    """x [T, in] . weights[n] [out, in] -> [T, out]."""
+    return jax.lax.dot_general(x, weights[n], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
-def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None):
+def _dot_feature_major(n: int, x, weights: tuple):
+    """weights[n] [out, in] . x [in, T] -> [out, T]."""
+    return jax.lax.dot_general(weights[n], x, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _features(v, feature_major: bool):
+    """A per-feature vector (bias, norm weight) shaped to broadcast over the activations."""
+    return v[:, None] if feature_major else v
+
+
+def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
+             feature_major: bool = False):
     """x @ w (+ bias); with `shards`, w is split by rows and the partial sums are all-reduced."""
     y = dot(x, name)
     if shards is not None:
         y = all_reduce(y, shards)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + _features(bias.astype(jnp.float32), feature_major)
     return y.astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
-    shape = (h.shape[0], -1, cfg.head_dim)  # this shard's heads
-    q = _project(dot, h, "wq", lp.get("bq")).reshape(shape)
-    k = _project(dot, h, "wk", lp.get("bk")).reshape(shape)
-    v = _project(dot, h, "wv", lp.get("bv")).reshape(shape)
+def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin, feature_major: bool):
+    """q, k, v token-major [T, heads, D] (this shard's heads), whatever the layout of h."""
+    tokens = h.shape[1] if feature_major else h.shape[0]
+
+    def project(name, bias):
+        y = _project(dot, h, name, lp.get(bias), feature_major=feature_major)
+        return (y.T if feature_major else y).reshape(tokens, -1, cfg.head_dim)
+
+    q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp(dot: Dot, h, shards: ShardPlan):
+def _mlp(dot: Dot, h, shards: ShardPlan, feature_major: bool):
     gate = _project(dot, h, "w_gate")
     up = _project(dot, h, "w_up")
     return _project(dot, _silu(gate.astype(jnp.float32)).astype(up.dtype) * up, "w_down",
-                    shards=shards)
+                    shards=shards, feature_major=feature_major)
 
 
 def _silu(x):
@@ -101,23 +125,32 @@ def _pad_head_dim(x, width: int):
     return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
 
 
+def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
+    if feature_major:
+        return rms_norm(x.T, weight, cfg.rms_norm_eps).T
+    return rms_norm(x, weight, cfg.rms_norm_eps)
+
+
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch, cos, sin,
-           matrices: tuple | None, carry, xs):
+           matrices: tuple | None, feature_major: bool, carry, xs):
     x, cache = carry
     lp, layer = xs
-    dot = _layer_dot(lp, matrices, layer)
+    dot = _layer_dot(lp, matrices, layer, feature_major)
     with jax.named_scope("qkv"):
-        q, k, v = _qkv(cfg, lp, dot, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), cos, sin)
+        h = _norm(cfg, x, lp["attn_norm"], feature_major)
+        q, k, v = _qkv(cfg, lp, dot, h, cos, sin, feature_major)
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
         blocks = (page_blocks(new, batch.kv_page_tokens) for new in (k, v))
         k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, batch.kv_pages)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
+        attn = attn.reshape(attn.shape[0], -1)
     with jax.named_scope("out_proj"):
-        x = x + _project(dot, attn.reshape(x.shape[0], -1), "wo", lp.get("bo"), shards)
+        x = x + _project(dot, attn.T if feature_major else attn, "wo", lp.get("bo"), shards,
+                         feature_major)
     with jax.named_scope("mlp"):
-        x = x + _mlp(dot, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), shards)
+        x = x + _mlp(dot, _norm(cfg, x, lp["mlp_norm"], feature_major), shards, feature_major)
     return (x, KVCache(k_pages, v_pages)), None
 
 
@@ -127,11 +160,14 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     shard_map when shards.tp > 1."""
     x = embed_tokens(params["embed"], batch.tokens, shards)
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
+    matrices = params.get("layer_matrices")
+    feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch, cos,
-                                                      sin, params.get("layer_matrices")))
+                                                      sin, matrices, feature_major))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params["layers"], layers))
-    return x, cache
+    carry = (x.T if feature_major else x, cache)
+    (x, cache), _ = jax.lax.scan(body, carry, (params["layers"], layers))
+    return (x.T if feature_major else x), cache
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,

@@ -2,7 +2,7 @@
 
 Layer weights are stacked along a leading layer axis (the decoder scans over it) and
 stored as [in, out] so that the forward pass is `x @ w`; on CPU the matrices are then split
-into one array per layer (`per_layer_matrices`). The output head stays [rows, H]:
+into one array per layer, [out, in] (`per_layer_matrices`). The output head stays [rows, H]:
 the label gather reads rows of it. Arrays stay on the host (numpy, in the target dtype) until
 the model runner places them on its devices, split or whole.
 """
@@ -91,11 +91,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def per_layer_matrices(params: dict) -> dict:
-    """`params` with each layer's weight matrices as arrays of their own, in "layer_matrices"
-    (one dict per layer), and only the per-layer vectors left stacked in "layers". For XLA's
-    CPU backend, which copies a weight sliced out of a stacked array before every dot."""
+    """`params` with each layer's weight matrices as arrays of their own, [out, in], in
+    "layer_matrices" (one dict per layer), and only the per-layer vectors left stacked in
+    "layers". For XLA's CPU backend, which copies a weight sliced out of a stacked array before
+    every dot, and whose dots run fastest as w [out, in] @ x [in, tokens] (model.decoder)."""
     layers = params["layers"]
-    matrices = tuple({k: layers[k][i] for k in _LINEARS} for i in range(len(layers["wq"])))
+    matrices = tuple({k: layers[k][i].T for k in _LINEARS} for i in range(len(layers["wq"])))
     vectors = {k: v for k, v in layers.items() if k not in _LINEARS}
     return {**params, "layers": vectors, "layer_matrices": matrices}
 

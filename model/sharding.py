@@ -87,8 +87,8 @@ def param_specs(params: dict, shards: ShardPlan) -> dict:
 
     specs = {"layers": {k: layer_spec(k) for k in params["layers"]}, "final_norm": P(),
              "embed": P(TP_AXIS) if shards.vocab_parallel else P()}
-    if "layer_matrices" in params:  # one layer's: no leading layer axis
-        specs["layer_matrices"] = tuple({k: P(*layer_spec(k)[1:]) for k in matrices}
+    if "layer_matrices" in params:  # one layer's, [out, in]: no leading layer axis
+        specs["layer_matrices"] = tuple({k: P(*reversed(layer_spec(k)[1:])) for k in matrices}
                                         for matrices in params["layer_matrices"])
     if "head" in params:
         specs["head"] = P(TP_AXIS) if shards.head_parallel else P()

@@ -7,10 +7,12 @@ The work: every layer's norms, projections and MLP (SiLU), as the server's CPU p
 them (a switch on the layer picks its own matrices), random float32 weights of the model's
 shapes. Attention is left out: a stand-in adds k + v, repeated over the query heads, to q.
 The layouts, activations x weights:
-- `token_major`: x [tokens, in] @ w [in, out], the server's;
-- `feature_major`: w [out, in] @ x [in, tokens], activations kept transposed throughout;
+- `token_major`: x [tokens, in] @ w [in, out] (the stacked params' layout);
+- `feature_major`: w [out, in] @ x [in, tokens], activations kept transposed throughout (the
+  CPU server's up to model.decoder.FEATURE_MAJOR_MAX_TOKENS);
 - `feature_major_in_out`: the same activations, weights [in, out] (a transposed operand);
-- `token_major_out_in`: x [tokens, in] with weights [out, in] (a transposed operand).
+- `token_major_out_in`: x [tokens, in] with weights [out, in] (a transposed operand; the CPU
+  server's above that).
 Per token count: each layout's median seconds and its time over token_major's, the median of
 the rounds' ratios. The layouts must agree (max |difference| reported; over 1e-3, an error).
 """

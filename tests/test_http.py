@@ -10,6 +10,7 @@ import pytest
 
 from server.app import ServerConfig
 from server.http import Limits
+from tests.assertions import assert_scores_close
 from tests.server_harness import OK, assert_error, call, metrics_lines, serving
 from tests.tiny_models import VOCAB
 
@@ -75,7 +76,7 @@ def test_score_response_shape_and_usage(port, engines):
     assert status == 200
     direct = engines["llama"].score(OK["query"], OK["items"], OK["label_token_ids"])
     assert payload["model"] == "my-model" and payload["object"] == "scoring"
-    np.testing.assert_allclose(payload["scores"], direct.scores, rtol=1e-6)
+    assert_scores_close(payload["scores"], direct.scores)  # direct: query KV from the cache
     n = direct.prompt_tokens
     assert n == len(engines["llama"].tokenizer.encode(OK["query"])) + 1 + sum(
         len(engines["llama"].tokenizer.encode(i)) for i in OK["items"])
@@ -102,8 +103,7 @@ def test_unicode_text_and_token_ids(port, engines):
     body = {"query": "héllo wörld, 世界", "items": ["🙂", "", "Ünï"], "label_token_ids": [3]}
     status, payload, _ = call(port, "POST", "/v1/score", body)
     assert status == 200
-    np.testing.assert_allclose(payload["scores"],
-                               engines["llama"].score(**body).scores, rtol=1e-6)
+    assert_scores_close(payload["scores"], engines["llama"].score(**body).scores)
     status, payload, _ = call(port, "POST", "/v1/score",
                               {"query": [4, 5, 6], "items": [[7], [8, 9]], "label_token_ids": [1]})
     assert status == 200 and payload["usage"]["prompt_tokens"] == 6

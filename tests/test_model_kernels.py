@@ -51,13 +51,17 @@ def _forward_batch(engine, tokens: int):
                        runner.sizes), shape
 
 
-def test_per_layer_weights_give_the_stacked_forward(engines):
-    """CPU runners hold each layer's matrices apart (model.params.per_layer_matrices); the
-    stacked params that other devices scan give the same forward."""
+@pytest.mark.parametrize("feature_major_max_tokens", [0, 512])
+def test_per_layer_weights_give_the_stacked_forward(engines, monkeypatch,
+                                                    feature_major_max_tokens):
+    """CPU runners hold each layer's matrices apart and [out, in]
+    (model.params.per_layer_matrices); the stacked [in, out] params that other devices scan
+    give the same forward, with the 64 tokens' activations token-major or feature-major."""
     import functools
 
-
+    from model import decoder
     from model.decoder import empty_cache, score_forward
+    monkeypatch.setattr(decoder, "FEATURE_MAJOR_MAX_TOKENS", feature_major_max_tokens)
     engine = engines["qwen3"]
     runner, cfg = engine.runner, engine.cfg
     per_layer = runner.params
@@ -65,7 +69,7 @@ def test_per_layer_weights_give_the_stacked_forward(engines):
     matrices = per_layer["layer_matrices"]
     stacked = {**{k: v for k, v in per_layer.items() if k != "layer_matrices"},
                "layers": {**per_layer["layers"],
-                          **{k: jnp.stack([m[k] for m in matrices]) for k in matrices[0]}}}
+                          **{k: jnp.stack([m[k].T for m in matrices]) for k in matrices[0]}}}
     batch, shape = _forward_batch(engine, 64)
     forward = jax.jit(functools.partial(score_forward, cfg=cfg, max_q_len=shape.tokens,
                                         with_logsumexp=True, backend="xla", sizes=runner.sizes))

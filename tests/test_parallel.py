@@ -65,8 +65,8 @@ def test_tensor_parallel_scores_equal_one_device(engines, make, family, tp):
     assert_same_scores(got, scores(engines[family], reqs), family)
     kv_heads = engine.runner.cache.k.addressable_shards[0].data.shape[1]
     assert kv_heads == max(1, KV_HEADS // tp)  # each device holds its own KV heads only
-    wq = engine.runner.params["layer_matrices"][0]["wq"]  # on CPU: one array per layer
-    assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // tp
+    wq = engine.runner.params["layer_matrices"][0]["wq"]  # on CPU: one array per layer, [out, in]
+    assert wq.addressable_shards[0].data.shape[0] == wq.shape[0] // tp
     assert len(engine.runner.devices) == tp
     assert_no_leaked_pages(engine)
 
