@@ -76,11 +76,6 @@ def _dot_feature_major(n: int, x, weights: tuple):
                                preferred_element_type=jnp.float32)
 
 
-def _features(v, feature_major: bool):
-    """A per-feature vector (bias, norm weight) shaped to broadcast over the activations."""
-    return v[:, None] if feature_major else v
-
-
 def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
              feature_major: bool = False):
     """x @ w (+ bias); with `shards`, w is split by rows and the partial sums are all-reduced."""
@@ -88,7 +83,7 @@ def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
     if shards is not None:
         y = all_reduce(y, shards)
     if bias is not None:
-        y = y + _features(bias.astype(jnp.float32), feature_major)
+        y = y + (bias[:, None] if feature_major else bias).astype(jnp.float32)
     return y.astype(x.dtype)
 
 
