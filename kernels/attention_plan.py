@@ -8,6 +8,13 @@ sequence) segment gets a step per KV block some row of it can see (CONTRACT §4)
 step masks the block's rows of other sequences. Other KV blocks are absent: the kernel neither
 copies nor multiplies them. The steps are padded to a fixed count (jit shapes) and
 `num_steps` says how many are real.
+
+Item steps (the XLA loop's, where the block sizes name them): a multi-item sequence whose
+items see at most `item_kv_block` positions past the query has its block steps cover only
+positions below its `kv_split`, the query's L, and item steps cover the rest: per segment of
+`item_q_block` tokens, windows of `item_kv_block` positions from the first one its rows see
+past L, page-aligned. A row of short items then costs a few window columns past the query,
+where KV blocks of 128 would cost 128 or 256.
 """
 import dataclasses
 from typing import NamedTuple
@@ -19,13 +26,17 @@ FIRST, LAST, NOOP = 1, 2, 4  # step flags
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    q_block: int = 32    # query tokens per block
-    kv_block: int = 128  # KV positions per block, a multiple of the page size
+    q_block: int = 32       # query tokens per block
+    kv_block: int = 128     # KV positions per block, a multiple of the page size
+    item_q_block: int = 0   # query tokens per item step (0: no item steps)
+    item_kv_block: int = 0  # KV positions per item window, a multiple of the page size
 
     def check(self, page_size: int) -> None:
-        if self.q_block % 8 or self.kv_block % page_size:
-            raise ValueError(f"{self}: q_block must be a multiple of 8 and kv_block a multiple "
-                             f"of the page size {page_size}")
+        if (self.q_block % 8 or self.kv_block % page_size or self.item_q_block % 8
+                or self.item_kv_block % page_size
+                or (self.item_q_block > 0) != (self.item_kv_block > 0)):
+            raise ValueError(f"{self}: q blocks must be multiples of 8, KV blocks multiples "
+                             f"of the page size {page_size}, and item steps need both sizes")
 
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
@@ -35,16 +46,21 @@ class BlockSizes:
 # whole forward is as fast or faster than at 128/512 in 5 of 6 (model, bucket) pairs, at most
 # 2% slower (README, "Estimated on v6e").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
-# loop test read back by the host, whatever its size, so steps there are few and large.
+# loop test read back by the host, whatever its size, so steps there are few and large. On
+# CPU, item steps of 16 x 32 take the items off the q blocks of 128 x 128, which then see the
+# query only: a forward on SGLang's shape takes 0.93-0.97 of the time it took with 64 x 128
+# and no item steps, from 256 to 2048 tokens (README, "Forward per bucket").
 _DEFAULT_BLOCKS = {"TPU v6 lite": (256, 256), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
-                   "TPU v4": (128, 256), "xla cpu": (64, 128), "xla gpu": (512, 1024)}
+                   "TPU v4": (128, 256), "xla cpu": (128, 128, 16, 32), "xla gpu": (512, 1024)}
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
 
 
 def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
     """`device_kind`: a TPU's, or "xla <platform>" for the planned XLA loop."""
-    q_block, kv_block = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
-    return BlockSizes(q_block, -(-kv_block // page_size) * page_size)
+    q_block, kv_block, *item = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
+    whole_pages = lambda n: -(-n // page_size) * page_size  # noqa: E731
+    item_sizes = (item[0], whole_pages(item[1])) if item else ()
+    return BlockSizes(q_block, whole_pages(kv_block), *item_sizes)
 
 
 class AttentionPlan(NamedTuple):
@@ -55,6 +71,16 @@ class AttentionPlan(NamedTuple):
     step_kv: np.ndarray     # [NS] KV block (within its sequence) of each step
     step_flags: np.ndarray  # [NS] FIRST | LAST of its q block, NOOP for padding steps
     num_steps: np.ndarray   # [] int32, the real steps (a dynamic grid / loop bound)
+    kv_split: np.ndarray | None = None  # [S] block steps see KV positions below it, item
+    #                                      steps the rest (None: no item steps)
+    items: "ItemSteps | None" = None
+
+
+class ItemSteps(NamedTuple):
+    block: np.ndarray      # [NI] item q block (of item_q_block tokens) of each step
+    seq: np.ndarray        # [NI] sequence whose rows of the block the step serves
+    start: np.ndarray      # [NI] first KV position of the step's window, page-aligned
+    num_steps: np.ndarray  # [] int32, the real steps
 
 
 def num_q_blocks(n_tokens: int, sizes: BlockSizes) -> int:
@@ -67,6 +93,17 @@ def max_plan_steps(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes) -
     sequence."""
     segments = num_q_blocks(n_tokens, sizes) + max(n_seqs - 1, 0)
     return segments * -(-kv_len // sizes.kv_block)
+
+
+def max_item_steps(n_tokens: int, n_seqs: int, page_size: int, sizes: BlockSizes) -> int:
+    """An upper bound on the item steps of any batch: a segment's rows are consecutive
+    positions whose items see at most item_kv_block of them, so its window spans at most
+    item_q_block + item_kv_block - 1 positions, and page alignment adds page_size - 1."""
+    if not sizes.item_q_block:
+        return 0
+    segments = -(-n_tokens // sizes.item_q_block) + max(n_seqs - 1, 0)
+    span = sizes.item_q_block + sizes.item_kv_block + page_size - 2
+    return segments * -(-span // sizes.item_kv_block)
 
 
 def visited_kv_blocks(plan: AttentionPlan) -> int:
@@ -115,17 +152,56 @@ def _block_flags(blocks: np.ndarray) -> np.ndarray:
     return (FIRST * first | LAST * last).astype(np.int32)
 
 
+def kv_split(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_len: int,
+             sizes: BlockSizes) -> int:
+    """Where a sequence's block steps stop (its rows `pos`, `vis`): the query's L if item
+    steps can take the positions past it, each row seeing at most item_kv_block of them;
+    else kv_len."""
+    past_query = pos - np.maximum(vis, shared_len) + 1
+    short = past_query.max(initial=0) <= sizes.item_kv_block
+    return shared_len if sizes.item_q_block and shared_len > 0 and short else kv_len
+
+
+def item_windows(pos: np.ndarray, vis: np.ndarray, split: int, sizes: BlockSizes,
+                 page_size: int) -> list[int]:
+    """First KV positions of the windows a segment's item steps visit: from the first
+    position past `split` some row sees, page-aligned, to the last."""
+    rows = pos >= split
+    if not rows.any():
+        return []
+    first = int(np.maximum(vis[rows], split).min()) // page_size * page_size
+    return list(range(first, int(pos[rows].max()) + 1, sizes.item_kv_block))
+
+
 def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
-               max_steps: int | None = None) -> AttentionPlan:
-    """Pads the steps to `max_steps` (None: no padding)."""
+               max_steps: int | None = None, *, page_size: int = 0,
+               max_item_steps: int | None = None) -> AttentionPlan:
+    """Pads the steps to `max_steps` and the item steps to `max_item_steps` (None: no
+    padding). Item steps, where `sizes` has them, need the `page_size`."""
+    if sizes.item_q_block:
+        sizes.check(page_size)
     cu, kv_lens, visible_from = map(np.asarray, (cu_q_lens, kv_lens, visible_from))
     pos, seq = _token_rows(cu, kv_lens, len(visible_from))
-    steps = []
+    steps, item_steps, splits = [], [], []
     for s in range(len(kv_lens)):
-        for block, lo, hi in _segments(int(cu[s]), int(cu[s + 1]), sizes.q_block):
-            kv = needed_kv_blocks(pos[lo:hi], visible_from[lo:hi], int(shared_lens[s]),
-                                  sizes.kv_block)
-            steps += [(block, s, k) for k in kv]
+        lo, hi, shared = int(cu[s]), int(cu[s + 1]), int(shared_lens[s])
+        split = kv_split(pos[lo:hi], visible_from[lo:hi], shared, int(kv_lens[s]), sizes)
+        splits.append(split)
+        for block, a, b in _segments(lo, hi, sizes.q_block):
+            kv = needed_kv_blocks(pos[a:b], visible_from[a:b], shared, sizes.kv_block)
+            steps += [(block, s, k) for k in kv if k * sizes.kv_block < split]
+        if split < kv_lens[s]:
+            for block, a, b in _segments(lo, hi, sizes.item_q_block):
+                starts = item_windows(pos[a:b], visible_from[a:b], split, sizes, page_size)
+                item_steps += [(block, s, start) for start in starts]
+    plan = _block_steps(pos, seq, steps, max_steps)
+    if not sizes.item_q_block:
+        return plan
+    return plan._replace(kv_split=np.array(splits, np.int32),
+                         items=_item_steps(item_steps, max_item_steps))
+
+
+def _block_steps(pos, seq, steps: list, max_steps: int | None) -> AttentionPlan:
     n_real = len(steps)
     n_steps = _padded_size(n_real, max_steps, "steps")
     table = np.array(steps or [(0, 0, 0)], np.int32).reshape(-1, 3)
@@ -136,6 +212,14 @@ def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
     return AttentionPlan(token_pos=pos, token_seq=seq, step_block=table[:, 0],
                          step_seq=table[:, 1], step_kv=table[:, 2], step_flags=flags,
                          num_steps=np.int32(max(n_real, 1)))
+
+
+def _item_steps(steps: list, max_steps: int | None) -> ItemSteps:
+    table = np.array(steps or [(0, 0, 0)], np.int32).reshape(-1, 3)
+    pad = _padded_size(len(steps), max_steps, "item steps") - len(table)
+    table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
+    return ItemSteps(block=table[:, 0], seq=table[:, 1], start=table[:, 2],
+                     num_steps=np.int32(len(steps)))
 
 
 def _padded_size(n: int, limit: int | None, what: str) -> int:

@@ -189,6 +189,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     plan = md.plan
     if not isinstance(plan, AttentionPlan):
         raise ValueError("the Pallas kernel needs metadata.plan, from attention_plan.build_plan")
+    if plan.items is not None or sizes.item_q_block:
+        raise ValueError(f"the Pallas kernel has no item steps; block sizes {sizes}")
     n_layers, hkv, _, page_size, d = k_pages.shape
     sizes.check(page_size)
     t, hq, _ = q.shape

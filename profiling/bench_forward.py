@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from jax.experimental import pallas as pl
 
 from kernels.attention_plan import real_q_blocks, visited_kv_blocks
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
@@ -122,16 +123,28 @@ def reference_matmul(n: int = 4096):
     return (jax.jit(jnp.matmul), (a, a)), 2 * n ** 3
 
 
+def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int) -> pl.CostEstimate:
+    """One layer's attention at the plan's real steps, its item steps included."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    cost = attention_cost(visited_kv_blocks(plan), real_q_blocks(plan), sizes.q_block * group,
+                          cfg.num_kv_heads, cfg.head_dim, sizes.kv_block, itemsize)
+    if plan.items is None:
+        return cost
+    steps = int(plan.items.num_steps)
+    items = attention_cost(steps, len(set(plan.items.block[:steps])),
+                           sizes.item_q_block * group, cfg.num_kv_heads, cfg.head_dim,
+                           sizes.item_kv_block, itemsize)
+    return pl.CostEstimate(flops=cost.flops + items.flops,
+                           transcendentals=cost.transcendentals + items.transcendentals,
+                           bytes_accessed=cost.bytes_accessed + items.bytes_accessed)
+
+
 def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
          itemsize: int):
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
-    plan = batch.attention.plan
-    q_blocks = real_q_blocks(plan)
-    attn = attention_cost(visited_kv_blocks(plan), q_blocks,
-                          sizes.q_block * cfg.num_heads // cfg.num_kv_heads, cfg.num_kv_heads,
-                          cfg.head_dim, sizes.kv_block, itemsize)
+    attn = attention_work(cfg, batch.attention.plan, sizes, itemsize)
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
     layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(

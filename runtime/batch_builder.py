@@ -58,7 +58,8 @@ def _written_pages(entries: list[ScheduledSeq], offsets: np.ndarray, shape: Batc
     return _pad(pages, shape.written_pages, fill=num_pages), table
 
 
-def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes | None):
+def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
+               sizes: BlockSizes | None):
     lens = [e.new_tokens for e in entries]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     table = np.zeros((shape.seqs, shape.pages_per_seq), np.int32)
@@ -74,14 +75,14 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, sizes: BlockSizes
     if sizes is None:
         return md, offsets
     plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
-                      shape.steps)
+                      shape.steps, page_size=page_size, max_item_steps=shape.item_steps)
     return md._replace(plan=plan), offsets
 
 
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
                 page_size: int, num_pages: int, sizes: BlockSizes | None = None) -> ForwardBatch:
     """With block `sizes`, the attention metadata carries the block plan."""
-    attention, offsets = _attention(entries, shape, sizes)
+    attention, offsets = _attention(entries, shape, page_size, sizes)
     rows = [offsets[i] + r - e.cached for i, e in enumerate(entries) for r in e.seq.score_rows]
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")

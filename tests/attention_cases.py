@@ -7,16 +7,18 @@ from kernels.ragged_paged_attention import AttentionMetadata
 
 def random_batch(rng, specs, *, hq, hkv, d, page_size, dtype, layers=2, num_pages=None,
                  pad_tokens=5):
-    """specs: ("causal", n) | ("cached", cached, n) | ("items", L, [item lens]).
+    """specs: ("causal", n) | ("cached", cached, n) | ("items", L, [item lens]) |
+    ("cached_items", L, [item lens]): the items of a query the prefix cache holds.
 
     Returns q, k_pages, v_pages, metadata (as NumPy-friendly jnp arrays)."""
     q_lens, kv_lens, prefixes, vis = [], [], [], []
     for spec in specs:
-        if spec[0] == "items":
-            _, prefix, items = spec
+        if spec[0] in ("items", "cached_items"):
+            kind, prefix, items = spec
             starts = prefix + np.concatenate([[0], np.cumsum(items)[:-1]]).astype(int)
-            v = [0] * prefix + [int(s) for s, n in zip(starts, items) for _ in range(n)]
-            q_lens.append(len(v)), kv_lens.append(len(v)), prefixes.append(prefix)
+            v = [int(s) for s, n in zip(starts, items) for _ in range(n)]
+            v = v if kind == "cached_items" else [0] * prefix + v
+            q_lens.append(len(v)), kv_lens.append(prefix + sum(items)), prefixes.append(prefix)
         else:
             cached, n = (0, spec[1]) if spec[0] == "causal" else spec[1:]
             v = [0] * n

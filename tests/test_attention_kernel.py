@@ -1,5 +1,7 @@
 """The Pallas ragged paged attention kernel (TPU interpret mode on CPU) and the planned XLA
 path vs the reference."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from kernels.attention_plan import (
     BlockSizes,
     build_plan,
     default_block_sizes,
+    max_item_steps,
     visited_kv_blocks,
 )
 from kernels.ragged_paged_attention import (
@@ -27,18 +30,29 @@ from profiling.tpu_compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
 from tests.attention_cases import random_batch
 
 
-def plan_for(md, sizes, extra=0):
-    """The exact plan, or one padded by `extra` steps."""
+def plan_for(md, sizes, extra=0, page_size=8):
+    """The exact plan, or one padded by `extra` steps (and item steps)."""
     args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
-    exact = build_plan(*args)
+    exact = build_plan(*args, page_size=page_size)
     if not extra:
         return exact
-    return build_plan(*args, len(exact.step_block) + extra)
+    items = len(exact.items.block) + extra if exact.items is not None else None
+    return build_plan(*args, len(exact.step_block) + extra, page_size=page_size,
+                      max_item_steps=items)
+
+
+def with_item_steps(sizes, page_size):
+    """`sizes` plus item steps of 8 tokens over windows of a page or 16 positions."""
+    return dataclasses.replace(sizes, item_q_block=8, item_kv_block=max(page_size, 16))
 
 
 def run_both(q, k, v, md, sizes, interpret, layer=1):
-    """`interpret`: TPU interpreter parameters for the Pallas kernel, or "xla"."""
-    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3))
+    """`interpret`: TPU interpreter parameters for the Pallas kernel, "xla", or "xla_items"
+    (the XLA loop with item steps added to `sizes`)."""
+    page = k.shape[3]
+    if interpret == "xla_items":
+        interpret, sizes = "xla", with_item_steps(sizes, page)
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3, page_size=page))
     kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()))
     if interpret == "xla":
         xla = jax.jit(ragged_paged_attention_xla,
@@ -59,6 +73,8 @@ CASES = [  # (specs, hq, hkv, d, page_size, sizes, dtype)
     ([("causal", 21), ("items", 6, [7, 2])], 4, 1, 128, 16, BlockSizes(8, 32), jnp.bfloat16),
     ([("items", 12, [17]), ("causal", 1)], 4, 4, 64, 8, BlockSizes(8, 16), jnp.bfloat16),
     ([("items", 4, [1, 0, 2, 1] * 16)], 4, 2, 64, 8, BlockSizes(16, 16), jnp.float32),  # 64 items
+    ([("cached_items", 20, [3, 5, 2]), ("items", 7, [30, 2])], 4, 2, 64, 8, BlockSizes(8, 16),
+     jnp.float32),  # item steps for the first sequence only: the second has a long item
 ]
 
 
@@ -73,11 +89,12 @@ def random_specs(rng):
             specs.append(("cached", int(rng.integers(1, 20)), int(rng.integers(1, 10))))
         else:
             items = rng.integers(0, 7, int(rng.integers(1, 6))).tolist()
-            specs.append(("items", int(rng.integers(1, 12)), items))
+            specs.append((str(rng.choice(["items", "cached_items"])), int(rng.integers(1, 12)),
+                          items[:-1] + [items[-1] + 1]))
     return specs
 
 
-@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("path", ["interpret", "xla", "xla_items"])
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_matches_reference_on_random_batches(seed, path):
     rng = np.random.default_rng(100 + seed)
@@ -93,7 +110,7 @@ def test_kernel_matches_reference_on_random_batches(seed, path):
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("path", ["interpret", "xla", "xla_items"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernel_matches_reference(case, path):
     specs, hq, hkv, d, page, sizes, dtype = CASES[case]
@@ -105,7 +122,7 @@ def test_kernel_matches_reference(case, path):
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("path", ["interpret", "xla", "xla_items"])
 def test_padding_tokens_come_out_finite(path):
     """Blocks of padding only have no step; the interpreter fills memory nothing wrote with
     NaN, so an unwritten output would show. (Padding rows of a real block average junk.)"""
@@ -181,6 +198,68 @@ def test_plan_segments_are_in_token_order_and_visit_what_they_see(seed):
     assert ((flags & FIRST) != 0).tolist() == starts.tolist()
     assert ((flags & LAST) != 0).tolist() == np.r_[starts[1:], True].tolist()
     assert (plan.token_seq[:n] >= 0).all() and (plan.token_seq[n:] == -1).all()
+
+
+def covered_positions(plan, md, sizes, t):
+    """The KV positions the steps show row t, with multiplicity: block steps below the
+    sequence's split, item steps from it."""
+    s = int(plan.token_seq[t])
+    split = int(plan.kv_split[s])
+    windows = [(int(plan.step_kv[i]) * sizes.kv_block, sizes.kv_block, True)
+               for i in range(int(plan.num_steps))
+               if plan.step_seq[i] == s and plan.step_block[i] == t // sizes.q_block]
+    items = plan.items
+    windows += [(int(items.start[i]), sizes.item_kv_block, False)
+                for i in range(int(items.num_steps))
+                if items.seq[i] == s and items.block[i] == t // sizes.item_q_block]
+    cols = [c for start, width, below in windows for c in range(start, start + width)
+            if (c < split) == below]
+    return np.asarray(cols, int)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_and_item_steps_show_each_visible_position_once(seed):
+    """With item steps, every visible (row, KV position) pair is in exactly one step's window
+    on that step's side of the split; short items' sequences have no block step past the
+    query; the steps fit the bound a shape pads them to."""
+    rng = np.random.default_rng(seed)
+    page = int(rng.choice([8, 16]))
+    specs = random_specs(rng)[:1] + [  # items of up to 24 tokens: some too long for windows
+        (str(rng.choice(["items", "cached_items"])), int(rng.integers(1, 40)),
+         rng.integers(1, 25, int(rng.integers(1, 8))).tolist()) for _ in range(2)]
+    _, _, _, md, n = random_batch(rng, specs, hq=1, hkv=1, d=8, page_size=page,
+                                  dtype=jnp.float32)
+    sizes = with_item_steps(BlockSizes(16, 2 * page), page)
+    plan = plan_for(md, sizes, page_size=page)
+    for t in range(n):
+        s = int(plan.token_seq[t])
+        kv_pos = np.arange(int(md.kv_lens[s]) + 2 * sizes.kv_block)
+        seen = np.asarray(visible_mask(plan.token_pos[t:t + 1], md.visible_from[t:t + 1],
+                                       int(md.shared_lens[s]), int(md.kv_lens[s]), kv_pos))[0]
+        counts = np.bincount(covered_positions(plan, md, sizes, t), minlength=len(kv_pos))
+        assert (counts[seen] == 1).all(), (t, kv_pos[seen][counts[seen] != 1])
+    for s, split in enumerate(plan.kv_split):
+        if split < md.kv_lens[s]:
+            assert split == md.shared_lens[s]
+            real = np.arange(int(plan.num_steps))
+            mine = real[plan.step_seq[real] == s]
+            assert (plan.step_kv[mine] * sizes.kv_block < split).all()
+    n_seqs = len(md.kv_lens)
+    assert plan.items.num_steps <= max_item_steps(len(md.visible_from), n_seqs, page, sizes)
+
+
+def test_item_steps_take_short_items_of_sglangs_shape():
+    """120-token query, 10 items of 18 tokens, CPU's block sizes: the block steps stop at the
+    query, one or two 32-wide windows serve each 16 item tokens."""
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("items", 120, [18] * 10)], hq=1,
+                                  hkv=1, d=8, page_size=16, dtype=jnp.float32)
+    sizes = default_block_sizes("xla cpu", 16)
+    plan = plan_for(md, sizes, page_size=16)
+    assert plan.kv_split.tolist() == [120]
+    assert (plan.step_kv[:int(plan.num_steps)] == 0).all()
+    item_blocks = range(120 // 16, 300 // 16 + 1)
+    assert sorted(set(plan.items.block[:int(plan.items.num_steps)])) == list(item_blocks)
+    assert len(item_blocks) <= plan.items.num_steps <= 2 * len(item_blocks)
 
 
 def test_sequences_that_share_a_q_block_get_a_segment_each():

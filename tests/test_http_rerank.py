@@ -4,13 +4,13 @@ qwen3-reranker template, scored against the model-card recipe computed independe
 import concurrent.futures
 import math
 
-import numpy as np
 import pytest
 import tokenizers
 
 from runtime.engine import Engine
 from runtime.rerank import BUILT_IN, QWEN3_RERANKER
 from server.app import RERANK_ROUTES
+from tests.assertions import assert_scores_close
 from tests.numpy_decoder import NumpyDecoder
 from tests.server_harness import OK, assert_error, call, metrics_lines, serving
 from tests.tiny_models import small_config, write_checkpoint
@@ -89,7 +89,8 @@ def test_scores_equal_each_prompt_scored_alone_through_v1_score(port, rerankers)
         status, alone, _ = call(port, "POST", "/v1/score", {
             "query": prompt[:-1], "items": [prompt[-1:]], "apply_softmax": True,
             "label_token_ids": reranker.label_ids})
-        assert status == 200 and abs(alone["scores"][0][0] - r["relevance_score"]) < 1e-6
+        assert status == 200
+        assert_scores_close([alone["scores"][0][0]], [r["relevance_score"]])
 
 
 def test_ties_keep_document_order_and_every_route_answers_alike(port):
@@ -99,8 +100,7 @@ def test_ties_keep_document_order_and_every_route_answers_alike(port):
     assert all(a[0] == 200 for a in answers)
     for ranking in rankings[1:]:
         assert [k for k, _ in ranking] == [k for k, _ in rankings[0]]
-        np.testing.assert_allclose([s for _, s in ranking], [s for _, s in rankings[0]],
-                                   atol=1e-6)
+        assert_scores_close([s for _, s in ranking], [s for _, s in rankings[0]])
     order = [k for k, _ in rankings[0]]
     assert order.index(0) < order.index(4)  # equal documents: scored once, the first first
     assert dict(rankings[0])[0] == dict(rankings[0])[4]
@@ -137,7 +137,7 @@ def test_instruct_is_the_prompts_instruction(port, rerankers):
     _, alone, _ = call(port, "POST", "/v1/score", {
         "query": prompt[:-1], "items": [prompt[-1:]], "apply_softmax": True,
         "label_token_ids": reranker.label_ids})
-    assert abs(alone["scores"][0][0] - score[1]) < 1e-6
+    assert_scores_close([alone["scores"][0][0]], [score[1]])
 
 
 def test_a_document_too_long_is_named_or_cut_on_request(port):
@@ -197,11 +197,10 @@ def test_concurrent_with_score_traffic(port):
     for k, (status, payload) in enumerate(answers):
         assert status == 200, payload
         if k % 2:
-            np.testing.assert_allclose([r["relevance_score"] for r in payload["results"]],
-                                       [r["relevance_score"] for r in alone["results"]],
-                                       atol=1e-6)
+            assert_scores_close([r["relevance_score"] for r in payload["results"]],
+                                [r["relevance_score"] for r in alone["results"]])
         else:
-            np.testing.assert_allclose(payload["scores"], score_alone["scores"], atol=1e-6)
+            assert_scores_close(payload["scores"], score_alone["scores"])
     counted = lambda lines: next(int(line.rsplit(" ", 1)[1]) for line in lines  # noqa: E731
                                  if line.startswith('jax_score_http_requests_total{route='
                                                     '"/v1/rerank",status="200"}'))

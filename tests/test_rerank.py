@@ -27,6 +27,7 @@ from runtime.rerank import (
     ranking,
     relevance,
 )
+from tests.assertions import assert_scores_close
 
 DOCUMENTS = ["The giant panda is a bear native to China.", "", " a leading space",
              "Paris", "Pandas eat bamboo. 熊猫吃竹子。", "a {query} and a {doc} in the text"]
@@ -173,10 +174,10 @@ def test_rerank_scores_each_prompt_as_scoring_it_alone(smollm):
     for k, r in result.ranking:
         prompt = smollm.reranker.prompt(query, documents[k], instruct)
         alone = smollm.score(prompt[:-1], [prompt[-1:]], yes_no, apply_softmax=True)
-        assert abs(alone.scores[0][0] - r) < 1e-6
+        assert_scores_close([alone.scores[0][0]], [r])
     top = smollm.rerank(query, documents, instruct, top_n=2).ranking  # the query now cached
     assert [k for k, _ in top] == [k for k, _ in result.ranking[:2]]
-    assert [r for _, r in top] == pytest.approx(relevances[:2], abs=1e-6)
+    assert_scores_close([r for _, r in top], relevances[:2])
 
 
 def test_rerank_names_the_document_too_long_and_cuts_it_on_request(smollm):
