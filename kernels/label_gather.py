@@ -12,11 +12,12 @@ import jax.numpy as jnp
 
 from kernels.rms_norm import rms_norm
 
-# With the logsumexp every row block reads the whole head. On CPU (XLA's Eigen dots, runtime.
-# forward_programs) a [rows, H] x [H, 49152] dot takes 5 / 16 / 23 / 38 ms at 1 / 16 / 32 / 64
-# rows, but 100 ms at 2-6 rows and 190 ms from 128: blocks of 64 rows, the last few rows in a
-# block of 1, 16 or 32.
-ROW_BLOCK, TAIL_BLOCKS = 64, (1, 16, 32)
+# With the logsumexp every row block reads the whole head, as vocabulary-major logits
+# [V, rows] (head . x^T): on CPU (XLA's Eigen dots, runtime.forward_programs) a block of
+# SmolLM2's head takes 4 / 10 / 13 / 16 / 29 / 43 ms at 1 / 16 / 32 / 48 / 96 / 128 rows, where
+# x . head^T took 4 / 16 / 21 / 31 (64 rows) / 148 ms (128), and 62 ms at 2-6 rows. Blocks of
+# 128 rows; the last few rows in a block of 1, 16, 32, 48 or 96.
+ROW_BLOCK, TAIL_BLOCKS = 128, (1, 16, 32, 48, 96)
 
 
 def check_gather_shapes(hidden, norm_weight, head, label_ids) -> None:
@@ -47,6 +48,15 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None
 
 
+def _vocab_major_block(hidden, norm_weight, head, label_ids, eps: float):
+    """The reference with the logsumexp, its logits computed [V, R] (XLA would turn a
+    transpose of them back into [R, V] logits)."""
+    logits = jnp.einsum("vh,rh->vr", head, rms_norm(hidden, norm_weight, eps),
+                        preferred_element_type=jnp.float32)
+    label_logits = jnp.take_along_axis(logits, label_ids.T, axis=0).T
+    return label_logits, jax.nn.logsumexp(logits, axis=0)
+
+
 def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
                                 with_logsumexp: bool, num_rows, num_labels=None,
                                 row_block: int = ROW_BLOCK):
@@ -66,9 +76,9 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
 
     def block(start, size, out):
         rows = (start, 0)
-        logits, lse = final_norm_label_gather_reference(
+        logits, lse = _vocab_major_block(
             jax.lax.dynamic_slice(hidden, rows, (size, hidden.shape[1])), norm_weight, head,
-            jax.lax.dynamic_slice(label_ids, rows, (size, k)), **kw)
+            jax.lax.dynamic_slice(label_ids, rows, (size, k)), eps)
         return (jax.lax.dynamic_update_slice(out[0], logits, rows),
                 jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
 
