@@ -142,6 +142,7 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
         assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
         # one round: its multiple is the medians' multiple
         assert r["vs_dense_matmul_by_round"] == pytest.approx(r["vs_dense_matmul"])
+        assert r["vs_dense_matmul_best"] == pytest.approx(r["vs_dense_matmul"])
         assert r["build_batch_s"] > 0
         split = r["split_s"]
         for scope in ("qkv", "out_proj", "mlp", "attention", "kv_write", "label_gather"):
