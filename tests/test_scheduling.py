@@ -103,8 +103,8 @@ def test_a_small_request_behind_a_large_one(model_dirs, monkeypatch, policy, row
         concurrent.futures.wait([big, small], 60)
         assert gate.rows == rows
         assert engine.scheduler.stats.cached_tokens == 2 * 16  # units 2, 3 reused the query
-        monkeypatch.undo()
-        assert_scores_close(big.result().scores, engine.score_request(BIG).scores, 1e-6)
+        monkeypatch.undo()  # scored alone, in forwards of other shapes: the shape tolerance
+        assert_scores_close(big.result().scores, engine.score_request(BIG).scores)
         assert_no_leaked_pages(engine)
     finally:
         engine.close()
