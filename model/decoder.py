@@ -26,42 +26,67 @@ from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 FEATURE_MAJOR_MAX_TOKENS = 512
 
 
-def rope_tables(positions, head_dim: int, theta: float):
+def rope_tables(positions, head_dim: int, theta: float, feature_major: bool = False):
+    """cos and sin of each position's angles, the sin's first half negated, shaped to meet q
+    or k split into halves (`apply_rope`): [T, 1, 2, D/2], or feature-major [2, D/2, T]."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
-    return jnp.cos(angles), jnp.sin(angles)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.stack([cos, cos], axis=1), jnp.stack([-sin, sin], axis=1)  # [T, 2, D/2]
+    if feature_major:
+        return cos.transpose(1, 2, 0), sin.transpose(1, 2, 0)
+    return cos[:, None], sin[:, None]
 
 
-def apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+def apply_rope(x, cos, sin, feature_major: bool = False):
+    """Rotate-half RoPE of x [T, H, D] (feature-major [H, D, T]) with `rope_tables`' tables:
+    the halves times cos, plus the halves swapped (a flip of the axis of two) times the
+    signed sin."""
+    if feature_major:
+        h, d, t = x.shape
+        halves, axis = x.reshape(h, 2, d // 2, t), 1
+    else:
+        t, h, d = x.shape
+        halves, axis = x.reshape(t, h, 2, d // 2), 2
+    y = (halves.astype(jnp.float32) * cos
+         + jnp.flip(halves, axis).astype(jnp.float32) * sin)
+    return y.reshape(x.shape).astype(x.dtype)
 
 
-Dot = Callable  # (x, name) -> x @ this layer's weight `name` (w @ x feature-major), float32
+Dot = Callable  # (x, name, epilogue, operands) -> epilogue(x @ this layer's weight `name`,
+#                  *operands) (w @ x feature-major), float32
+
+
+def _product(y):
+    return y
 
 
 def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool) -> Dot:
     """Matmuls with this layer's weights: sliced out of the stacked params (`lp`, [in, out]),
     or, with per-layer matrices (model.params.per_layer_matrices, [out, in]), a switch on the
-    layer whose branches each read their own array, so that no weight is copied first."""
-    def stacked(x, name):
-        return jnp.dot(x, lp[name], preferred_element_type=jnp.float32)
+    layer whose branches each read their own array, so that no weight is copied first. An
+    `epilogue` runs on the product inside the branch, where XLA fuses it with nothing after
+    the switch."""
+    def stacked(x, name, epilogue=_product, operands=()):
+        return epilogue(jnp.dot(x, lp[name], preferred_element_type=jnp.float32), *operands)
 
-    def per_layer(x, name):
-        return jax.lax.switch(layer, _dot_branches(len(matrices), feature_major), x,
-                              tuple(m[name] for m in matrices))
+    def per_layer(x, name, epilogue=_product, operands=()):
+        branches = _dot_branches(len(matrices), feature_major, epilogue)
+        return jax.lax.switch(layer, branches, x, tuple(m[name] for m in matrices), *operands)
 
     return stacked if matrices is None else per_layer
 
 
 @functools.cache
-def _dot_branches(num_layers: int, feature_major: bool) -> tuple:
+def _dot_branches(num_layers: int, feature_major: bool, epilogue: Callable) -> tuple:
     """The same branch functions every time: JAX reuses a branch's trace for the same function
     and operand shapes (each projection of a program, and the programs of one bucket)."""
     dot = _dot_feature_major if feature_major else _dot_token_major
-    return tuple(functools.partial(dot, n) for n in range(num_layers))
+    return tuple(functools.partial(_branch, dot, epilogue, n) for n in range(num_layers))
+
+
+def _branch(dot: Callable, epilogue: Callable, n: int, x, weights: tuple, *operands):
+    return epilogue(dot(n, x, weights), *operands)
 
 
 def _dot_token_major(n: int, x, weights: tuple):
@@ -89,17 +114,50 @@ def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
 
 def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin, feature_major: bool):
     """q, k, v token-major [T, heads, D] (this shard's heads), whatever the layout of h."""
-    tokens = h.shape[1] if feature_major else h.shape[0]
+    if feature_major:
+        return _qkv_feature_major(cfg, lp, dot, h, cos, sin)
+    tokens = h.shape[0]
 
     def project(name, bias):
-        y = _project(dot, h, name, lp.get(bias), feature_major=feature_major)
-        return (y.T if feature_major else y).reshape(tokens, -1, cfg.head_dim)
+        return _project(dot, h, name, lp.get(bias)).reshape(tokens, -1, cfg.head_dim)
 
     q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _qkv_feature_major(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
+    """The bias, q/k norms and RoPE run in the dot's branch on the heads [H, D, T], and what
+    leaves the branch is only transposed: XLA CPU transposes as fast as it copies, but a
+    transpose fused with RoPE ran element by element (1 ms a layer for a 512-token q, where
+    the branch's RoPE and the transpose take 0.1 ms; README, "Forward per bucket")."""
+    heads = _heads_epilogue(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project(name, bias, norm=None, tables=(None, None)):
+        y = dot(h, name, heads, (lp.get(bias), norm, *tables))
+        return y.transpose(2, 0, 1).astype(h.dtype)
+
+    q_norm, k_norm = (lp[n] if cfg.qk_norm else None for n in ("q_norm", "k_norm"))
+    return (project("wq", "bq", q_norm, (cos, sin)), project("wk", "bk", k_norm, (cos, sin)),
+            project("wv", "bv"))
+
+
+@functools.cache
+def _heads_epilogue(head_dim: int, eps: float) -> Callable:
+    return functools.partial(_heads_feature_major, head_dim=head_dim, eps=eps)
+
+
+def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
+    """A feature-major product [H x D, T] as heads [H, D, T], with the bias, the RMSNorm over
+    D and RoPE, each where given (float32)."""
+    if bias is not None:
+        y = y + bias[:, None].astype(jnp.float32)
+    y = y.reshape(-1, head_dim, y.shape[-1])
+    if norm is not None:
+        y = rms_norm(y, norm[:, None].astype(jnp.float32), eps, axis=1)
+    return y if cos is None else apply_rope(y, cos, sin, feature_major=True)
 
 
 def _mlp(dot: Dot, h, shards: ShardPlan, feature_major: bool):
@@ -121,8 +179,10 @@ def _pad_head_dim(x, width: int):
 
 
 def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
+    """Feature-major, the statistics reduce over the major axis: XLA CPU transposed the
+    activations to reduce over the minor one, twice the time (README, "Forward per bucket")."""
     if feature_major:
-        return rms_norm(x.T, weight, cfg.rms_norm_eps).T
+        return rms_norm(x, weight[:, None], cfg.rms_norm_eps, axis=0)
     return rms_norm(x, weight, cfg.rms_norm_eps)
 
 
@@ -154,9 +214,9 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     """Final hidden states [T, H] (before the final norm) and the updated cache; under a
     shard_map when shards.tp > 1."""
     x = embed_tokens(params["embed"], batch.tokens, shards)
-    cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     matrices = params.get("layer_matrices")
     feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
+    cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, feature_major)
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch, cos,
                                                       sin, matrices, feature_major))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
