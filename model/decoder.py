@@ -27,30 +27,27 @@ FEATURE_MAJOR_MAX_TOKENS = 512
 
 
 def rope_tables(positions, head_dim: int, theta: float, feature_major: bool = False):
-    """cos and sin of each position's angles, the sin's first half negated, shaped to meet q
-    or k split into halves (`apply_rope`): [T, 1, 2, D/2], or feature-major [2, D/2, T]."""
+    """cos and sin of each position's angles, laid out for `apply_rope`: [T, 1, D], or
+    feature-major [2, D/2, T] with the sin's first half negated."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    cos, sin = jnp.stack([cos, cos], axis=1), jnp.stack([-sin, sin], axis=1)  # [T, 2, D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     if feature_major:
-        return cos.transpose(1, 2, 0), sin.transpose(1, 2, 0)
-    return cos[:, None], sin[:, None]
+        cos, sin = jnp.cos(freqs.T), jnp.sin(freqs.T)
+        return jnp.stack([cos, cos]), jnp.stack([-sin, sin])
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x, cos, sin, feature_major: bool = False):
-    """Rotate-half RoPE of x [T, H, D] (feature-major [H, D, T]) with `rope_tables`' tables:
-    the halves times cos, plus the halves swapped (a flip of the axis of two) times the
-    signed sin."""
+    """Rotate-half RoPE of x [T, H, D], or feature-major [H, D, T]: there the halves times cos,
+    plus the halves swapped (a flip of the axis of two) times the signed sin."""
     if feature_major:
         h, d, t = x.shape
-        halves, axis = x.reshape(h, 2, d // 2, t), 1
-    else:
-        t, h, d = x.shape
-        halves, axis = x.reshape(t, h, 2, d // 2), 2
-    y = (halves.astype(jnp.float32) * cos
-         + jnp.flip(halves, axis).astype(jnp.float32) * sin)
-    return y.reshape(x.shape).astype(x.dtype)
+        halves = x.reshape(h, 2, d // 2, t).astype(jnp.float32)
+        return (halves * cos + jnp.flip(halves, 1) * sin).reshape(x.shape).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
 Dot = Callable  # (x, name, epilogue, operands) -> epilogue(x @ this layer's weight `name`,
