@@ -1,9 +1,14 @@
 """The serving runtime: prefix reuse, batching across requests, eviction, zero recompiles."""
+import re
+
+import jax
 import numpy as np
 import pytest
 from jax import monitoring
 
+from model.loader import load_config
 from runtime.engine import Engine
+from runtime.forward_programs import server_programs
 from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.tiny_models import VOCAB, small_config
@@ -166,3 +171,16 @@ def test_a_request_is_answered_after_its_pages_are_free(new_engine):
     future.add_done_callback(lambda f: free_when_answered.append(engine.scheduler.pool.free_count))
     future.result(60)
     assert free_when_answered == [engine.scheduler.pool.num_pages]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_forwards_ask_every_dot_for_float32_arithmetic(model_dirs, dtype):
+    """At the default precision a GPU rounds float32 operands to TF32 and a TPU to bfloat16
+    (CPU ignores the request, so this reads the program): every dot of a float32 forward asks
+    for HIGHEST, and a bfloat16 forward's ask for nothing."""
+    programs = server_programs(small_config(dtype=dtype), load_config(model_dirs["qwen3"]),
+                               jax.devices()[:1], num_pages=64)
+    text = programs.lower(programs.buckets.all_shapes()[0], True).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    assert len(dots) >= 7, dots  # q, k, v, out, gate, up, down at least
+    assert [("HIGHEST" in dot) for dot in dots] == [dtype == "float32"] * len(dots)

@@ -1,6 +1,9 @@
 """Tiny random HuggingFace-format checkpoints, written from scratch for the tests."""
+import dataclasses
+
 from profiling import random_checkpoint
 from runtime.engine_config import EngineConfig
+from runtime.pool_size import CPU_BATCHES
 
 FAMILIES = {
     "llama": dict(arch="LlamaForCausalLM", bos=True, head_dim=None, tie=True, shards=1),
@@ -37,6 +40,12 @@ def write_checkpoint(model_dir: str, family: str, seed: int = 0, vocab: int = VO
 
 
 def small_config(**overrides) -> EngineConfig:
-    """The tests' engine: small budgets, compiled on demand (warm-up has its own tests)."""
-    return EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
-                                  warmup=False), **overrides})
+    """The tests' engine: small budgets, compiled on demand (warm-up has its own tests). The
+    pool is CPU's default on every device: on a GPU the default takes most of its memory, and
+    a test process holds an engine per family."""
+    cfg = EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
+                                 warmup=False), **overrides})
+    if cfg.kv_cache_tokens:
+        return cfg
+    tokens = max(CPU_BATCHES * cfg.max_prefill_tokens, cfg.min_kv_tokens)
+    return dataclasses.replace(cfg, kv_cache_tokens=tokens)
