@@ -35,7 +35,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 30000, "port to bind")
     flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "weights, activations "
                       "and KV; auto: float32 on CPU, the checkpoint's dtype on accelerators "
-                      "(bfloat16 unless it is stored in float32)")
+                      "(bfloat16 unless it is stored in float32). float32 multiplies in "
+                      "float32 on every device: no TF32 on GPUs")
     flags.DEFINE_integer("page_size", 16, "tokens per KV page")
     flags.DEFINE_integer("max_prefill_tokens", 8192, "new tokens in one forward pass")
     flags.DEFINE_integer("max_seqs", 64, "sequences in one forward pass")
