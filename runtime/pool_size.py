@@ -38,6 +38,12 @@ def bytes_beside_pool(programs: ForwardPrograms) -> int:
     return held - programs.pool_bytes
 
 
+def cpu_pool_tokens(engine_cfg: EngineConfig) -> int:
+    """The pool where the runtime reports no memory limit: CPU_BATCHES full batches, and at
+    least one batch's pages."""
+    return max(CPU_BATCHES * engine_cfg.max_prefill_tokens, engine_cfg.min_kv_tokens)
+
+
 def kv_pool_pages(engine_cfg: EngineConfig, programs_with: Callable[[int], ForwardPrograms],
                   memory: DeviceMemory | None) -> int:
     """`programs_with(num_pages)`: a replica's programs over a pool of that many pages, from
@@ -45,7 +51,7 @@ def kv_pool_pages(engine_cfg: EngineConfig, programs_with: Callable[[int], Forwa
     even one batch fits."""
     min_pages = pages_needed(engine_cfg.min_kv_tokens, engine_cfg.page_size)
     if engine_cfg.kv_cache_tokens or memory is None:
-        tokens = engine_cfg.kv_cache_tokens or CPU_BATCHES * engine_cfg.max_prefill_tokens
+        tokens = engine_cfg.kv_cache_tokens or cpu_pool_tokens(engine_cfg)
         return max(pages_needed(tokens, engine_cfg.page_size), min_pages)
     probe = programs_with(min_pages)
     room = memory.limit * engine_cfg.mem_fraction - memory.in_use - bytes_beside_pool(probe)

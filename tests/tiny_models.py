@@ -3,7 +3,7 @@ import dataclasses
 
 from profiling import random_checkpoint
 from runtime.engine_config import EngineConfig
-from runtime.pool_size import CPU_BATCHES
+from runtime.pool_size import cpu_pool_tokens
 
 FAMILIES = {
     "llama": dict(arch="LlamaForCausalLM", bos=True, head_dim=None, tie=True, shards=1),
@@ -45,7 +45,5 @@ def small_config(**overrides) -> EngineConfig:
     a test process holds an engine per family."""
     cfg = EngineConfig(**{**dict(page_size=8, max_prefill_tokens=256, max_seqs=8,
                                  warmup=False), **overrides})
-    if cfg.kv_cache_tokens:
-        return cfg
-    tokens = max(CPU_BATCHES * cfg.max_prefill_tokens, cfg.min_kv_tokens)
-    return dataclasses.replace(cfg, kv_cache_tokens=tokens)
+    return cfg if cfg.kv_cache_tokens else dataclasses.replace(
+        cfg, kv_cache_tokens=cpu_pool_tokens(cfg))
