@@ -7,6 +7,7 @@ the lowering is the same: a program compiled here for a deviceless TPU topology 
 server on that TPU runs.
 """
 import concurrent.futures
+import contextlib
 import functools
 import os
 import threading
@@ -37,7 +38,7 @@ from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.engine_config import EngineConfig
 from runtime.program_cache import ProgramCache
 
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event
 
 # XLA options of the forward by platform, set per program so that other programs of the
 # process keep the defaults. On CPU, XLA hands dots to YNNPACK by default; its own (Eigen) dots
@@ -52,6 +53,22 @@ def matmul_precision(dtype) -> str | None:
     moved log scores by up to 5e-3 between two batchings of the same prompts. None: the
     default, which is exact for bfloat16 operands."""
     return "float32" if np.dtype(dtype) == np.float32 else None
+
+
+@contextlib.contextmanager
+def _xla_cache_hits():
+    """A list that gets an entry for each program the calling thread reads from JAX's
+    compilation cache while the context is open (JAX reports a hit in the compiling thread)."""
+    thread, hits = threading.get_ident(), []
+
+    def listener(event, **_):
+        if event == CACHE_HIT_EVENT and threading.get_ident() == thread:
+            hits.append(event)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
 
 
 def footprint(compiled: jax.stages.Compiled) -> int:
@@ -84,6 +101,7 @@ class ForwardPrograms:
         self._programs = {}
         self._lock = threading.Lock()
         self.compile_count = 0  # programs compiled, not read from the program cache
+        self.xla_cache_hit_count = 0  # of those, programs JAX's compilation cache had
         self._disk = ProgramCache(program_cache_dir, list(mesh.devices.flat), cfg, buckets,
                                   backend, shards, self._params,
                                   self._cache) if program_cache_dir else None
@@ -116,14 +134,18 @@ class ForwardPrograms:
         if key not in self._programs:
             name = repr(key)
             program = self._disk.load(name) if self._disk else None
-            compiled = program is None
+            compiled, hits = program is None, []
             if compiled:
-                program = self.lower(shape, with_lse).compile(self.compiler_options)
-                if self._disk:
+                with _xla_cache_hits() as hits:
+                    program = self.lower(shape, with_lse).compile(self.compiler_options)
+                # XLA CPU serializes a program it read from JAX's cache without its fused
+                # kernels: stored, it would fail every forward of the next start.
+                if self._disk and not hits:
                     self._disk.store(name, program)
             with self._lock:
                 self._programs[key] = program
                 self.compile_count += compiled
+                self.xla_cache_hit_count += bool(hits)
         return self._programs[key]
 
     def warm_up(self, threads: int = os.cpu_count() or 1,
@@ -133,25 +155,21 @@ class ForwardPrograms:
         `progress_s` and, at the end, how many programs were read from a cache."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
         jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
-        hits, compiled_before = [], self.compile_count
-        counter = lambda event, **_: hits.append(1) if event == _CACHE_HIT else None  # noqa: E731
-        jax.monitoring.register_event_listener(counter)
+        compiled_before, hits_before = self.compile_count, self.xla_cache_hit_count
         start = last = time.monotonic()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                futures = [pool.submit(self.get, *job) for job in jobs]
-                for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                    future.result()
-                    if time.monotonic() - last >= progress_s and done < len(jobs):
-                        last = time.monotonic()
-                        logging.info("preparing %d/%d programs, %.0f s", done, len(jobs),
-                                     last - start)
-        finally:
-            jax.monitoring.unregister_event_listener(counter)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = [pool.submit(self.get, *job) for job in jobs]
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                future.result()
+                if time.monotonic() - last >= progress_s and done < len(jobs):
+                    last = time.monotonic()
+                    logging.info("preparing %d/%d programs, %.0f s", done, len(jobs),
+                                 last - start)
         compiled = self.compile_count - compiled_before
         logging.info("%d programs ready in %.0f s: %d read from the program cache, %d compiled "
                      "(%d of them found in JAX's compilation cache)", len(jobs),
-                     time.monotonic() - start, len(jobs) - compiled, compiled, len(hits))
+                     time.monotonic() - start, len(jobs) - compiled, compiled,
+                     self.xla_cache_hit_count - hits_before)
 
 
 def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: str, devices,

@@ -2,10 +2,15 @@
 compiling, scoring exactly as compiled ones, and never found for another program."""
 import os
 
+import pytest
+
 from runtime.engine import Engine
 from tests.tiny_models import small_config
 
 QUERY, ITEMS, LABELS = [3, 9, 27, 81, 5, 7, 11], [[1, 2], [4], [8, 16, 32]], [5, 17]
+# Each test starts from an empty JAX compilation cache: its first engine compiles (and keeps)
+# its programs, rather than reading the session's cache (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("empty_xla_cache")
 
 
 def scores_twice(engine: Engine):
@@ -55,3 +60,21 @@ def test_a_damaged_entry_is_compiled_again(model_dirs, tmp_path):
     assert engine.score(QUERY, ITEMS, LABELS).scores == want
     engine.close()
     assert engine.runner.compile_count == 1
+
+
+def test_a_program_from_jax_compilation_cache_is_not_kept(model_dirs, tmp_path):
+    """As after an upgrade of the package: the program cache misses (other source), JAX's
+    cache has the programs. XLA CPU serializes a program read from JAX's cache without its
+    fused kernels, so that, kept, it failed every forward of the next start."""
+    engine = Engine.from_path(model_dirs["qwen3"], small_config())  # fills JAX's cache
+    want = scores_twice(engine)
+    engine.close()
+    for start in range(2):
+        engine = Engine.from_path(model_dirs["qwen3"],
+                                  small_config(program_cache_dir=str(tmp_path)))
+        got = scores_twice(engine)
+        engine.close()
+        assert got == want, start
+        programs = engine.runner.programs
+        assert programs.xla_cache_hit_count == programs.compile_count > 0
+    assert os.listdir(tmp_path) == []
