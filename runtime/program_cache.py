@@ -5,7 +5,8 @@ program there still traces and lowers each one (0.17 s a program for SmolLM2 on 
 a program is keyed by everything it is a function of: this package's source, the JAX, jaxlib
 and backend versions, the XLA flags, the devices, the model config, the placed shapes of the
 params and KV pool, the kernels, and the batch shape. A program found is deserialized
-(jax.experimental.serialize_executable); one not found is compiled and stored.
+(jax.experimental.serialize_executable); one not found is compiled and stored, unless JAX's
+cache had it (runtime.forward_programs: XLA CPU does not serialize such a program whole).
 """
 import hashlib
 import os
