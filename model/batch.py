@@ -16,6 +16,7 @@ class ForwardBatch(NamedTuple):
     label_ids: jax.Array     # [R, K] int32, head rows to read per scored row
     num_rows: jax.Array      # [] int32, the real rows (the rest are padding)
     num_labels: jax.Array    # [] int32, the most real label ids of a row (the rest are padding)
+    with_logsumexp: jax.Array  # [] bool, also the full-vocabulary logsumexp of each row
 
 
 class KVCache(NamedTuple):

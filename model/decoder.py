@@ -223,19 +223,31 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
-                  max_q_len: int, with_logsumexp: bool, backend: str = "reference",
-                  sizes: BlockSizes | None = None, shards: ShardPlan = ShardPlan()):
-    """Label logits [R, K] f32, logsumexp [R] f32 (or None), and the updated cache.
-    With shards.tp > 1, the body of a shard_map (model.sharding.shard_forward)."""
+                  max_q_len: int, backend: str = "reference", sizes: BlockSizes | None = None,
+                  shards: ShardPlan = ShardPlan()):
+    """Label logits [R, K] f32, logsumexp [R] f32 (zeros unless batch.with_logsumexp), and
+    the updated cache. With shards.tp > 1, the body of a shard_map
+    (model.sharding.shard_forward)."""
     kernels = select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
                              sizes=sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
-        label_logits, lse = gather_labels(
-            kernels.gather, x[batch.score_rows], params["final_norm"], head_weight(params),
-            batch.label_ids, shards, eps=cfg.rms_norm_eps, with_logsumexp=with_logsumexp,
-            num_rows=batch.num_rows, num_labels=batch.num_labels)
+        label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,
+                                          shards)
     return label_logits, lse, cache
+
+
+def _label_logits(kernels: KernelSet, rows, params: dict, cfg: ModelConfig,
+                  batch: ForwardBatch, shards: ShardPlan):
+    """The logsumexp reads the whole head, so it is a branch taken at run time: one program
+    serves a bucket either way, and one without it does not pay for it."""
+    gather = functools.partial(gather_labels, kernels.gather, rows, params["final_norm"],
+                               head_weight(params), batch.label_ids, shards,
+                               eps=cfg.rms_norm_eps, num_rows=batch.num_rows,
+                               num_labels=batch.num_labels)
+    return jax.lax.cond(batch.with_logsumexp, lambda: gather(with_logsumexp=True),
+                        lambda: (gather(with_logsumexp=False)[0],
+                                 jnp.zeros(rows.shape[0], jnp.float32)))
 
 
 def pool_head_dim(cfg: ModelConfig, backend: str) -> int:

@@ -166,13 +166,12 @@ def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
                                    runner.num_pages, runner.sizes), repeats)
 
 
-def time_split(engine: Engine, batch, shape, with_lse: bool, repeats: int,
-               trace_dir: str | None) -> dict:
+def time_split(engine: Engine, batch, shape, repeats: int, trace_dir: str | None) -> dict:
     """Seconds per forward by scope, from `repeats` traced forwards of a compiled program."""
     runner = engine.runner
-    program = runner.programs.get(shape, with_lse)
+    program = runner.programs.get(shape)
     with tempfile.TemporaryDirectory() as tmp:
-        traced = wall_time(lambda: runner.run(batch, shape, with_lse), (), repeats,
+        traced = wall_time(lambda: runner.run(batch, shape), (), repeats,
                            trace_dir or tmp)
         split = breakdown(program, trace_dir or tmp, repeats, SCOPES)
     return {"traced_wall_s": traced, **split}
@@ -194,13 +193,13 @@ def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
             "kernels": estimate["kernels"]}
 
 
-def timed_rounds(runner, batches: list, with_lse: bool, matmul, repeats: int) -> list:
+def timed_rounds(runner, batches: list, matmul, repeats: int) -> list:
     """(forward seconds, matmul seconds) per round for each batch: every round runs each
     bucket's forward followed by the matmul, bucket after bucket, so that a slow spell of this
     shared machine (seconds long: README, "Forward per bucket") falls on one round of several
     buckets rather than on every round of one."""
     calls = [call for _, _, shape, batch in batches for call in (
-        (functools.partial(runner.run, batch, shape, with_lse), ()), matmul)]
+        (functools.partial(runner.run, batch, shape), ()), matmul)]
     rounds = interleaved_rounds(calls, repeats)
     return [(rounds[2 * i], rounds[2 * i + 1]) for i in range(len(batches))]
 
@@ -214,13 +213,13 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
     for bucket in buckets:
         entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
         batches.append((entries, labels, shape, build_batch(
-            entries, labels, shape, runner.buckets.page_size, runner.num_pages, runner.sizes)))
-    timed = timed_rounds(runner, batches, with_lse, matmul, repeats)
+            entries, labels, shape, runner.buckets.page_size, runner.num_pages, runner.sizes,
+            with_lse)))
+    timed = timed_rounds(runner, batches, matmul, repeats)
     for bucket, (entries, labels, shape, batch), rounds in zip(buckets, batches, timed):
         seconds, matmul_s = map(statistics.median, rounds)
         rate = matmul_flops / matmul_s
-        split = time_split(engine, batch, shape, with_lse, repeats,
-                           subdir(trace_dir, f"bucket_{bucket}"))
+        split = time_split(engine, batch, shape, repeats, subdir(trace_dir, f"bucket_{bucket}"))
         tokens = sum(e.new_tokens for e in entries)
         dense = dense_flops(cfg, tokens, len(labels), with_lse)
         dense_s = dense / rate

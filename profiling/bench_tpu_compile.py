@@ -12,7 +12,8 @@ for a 32 GiB chip at the default --mem-fraction. Per program:
   aliased to donated arguments (the pool, updated in place) and temp;
 - xla: cost_analysis() of the compiled program: FLOPs and HBM bytes (for a Pallas kernel, its
   CostEstimate, at the padded sizes of the bucket: an upper bound), and `optimal_seconds`,
-  XLA's own v6e time estimate. Estimates, not measurements: no TPU ran them.
+  XLA's own v6e time estimate. Estimates, not measurements: no TPU ran them. They add up both
+  branches of the label gather (with and without the logsumexp), where a batch runs one.
 - roofline: those FLOPs and bytes at v6e peak (918 TFLOP/s, 1.64 TB/s).
 Uses libtpu: run it while no other process holds /tmp/libtpu_lockfile (a test run, say).
 """
@@ -50,14 +51,12 @@ def study(model: str, engine_cfg: EngineConfig, buckets: list[int]) -> dict:
     cases = []
     for tokens in buckets:
         shape = programs.buckets.shape(tokens)
-        for with_lse in (False, True):
-            start = time.perf_counter()
-            compiled = programs.get(shape, with_lse)
-            costs = xla_costs(compiled)
-            cases.append({"bucket": shape.tokens, "with_logsumexp": with_lse,
-                          "compile_s": time.perf_counter() - start, "hbm": hbm_bytes(compiled),
-                          "xla": costs,
-                          "roofline": roofline(costs["flops"], costs["hbm_bytes"], None)})
+        start = time.perf_counter()
+        compiled = programs.get(shape)
+        costs = xla_costs(compiled)
+        cases.append({"bucket": shape.tokens, "compile_s": time.perf_counter() - start,
+                      "hbm": hbm_bytes(compiled), "xla": costs,
+                      "roofline": roofline(costs["flops"], costs["hbm_bytes"], None)})
     return {"model": model, "kv_pages": pages, "page_size": engine_cfg.page_size,
             "pool_bytes_per_chip": programs.pool_bytes, "cases": cases}
 
@@ -82,7 +81,7 @@ def main(argv) -> None:
         for c in m["cases"]:
             hbm, xla = c["hbm"], c["xla"]
             optimal = f"{xla['optimal_s'] * 1e3:7.3f} ms" if xla["optimal_s"] else "    n/a   "
-            print(f"  bucket {c['bucket']:5d} lse={c['with_logsumexp']!s:5} "
+            print(f"  bucket {c['bucket']:5d} "
                   f"compile {c['compile_s']:5.1f} s  args {hbm['argument'] / 2**30:6.2f} GiB "
                   f"temp {hbm['temp'] / 2**20:7.1f} MiB  {xla['flops'] / 1e9:8.1f} GFLOP "
                   f"{xla['hbm_bytes'] / 1e9:6.2f} GB  XLA {optimal}  "

@@ -113,8 +113,8 @@ def run(engine: Engine, buckets: list[int], seconds: float, matmul_n: int = 4096
     for bucket in buckets:
         entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
         batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                            runner.sizes)
-        forward = lambda: runner.run(batch, shape, True)  # noqa: E731
+                            runner.sizes, with_logsumexp=True)
+        forward = lambda: runner.run(batch, shape)  # noqa: E731
         jax.block_until_ready(forward())  # compiles
         rate_before = matmul_flops / wall_time(*matmul, repeats=5)
         times, shares = sampled(forward, seconds)

@@ -36,11 +36,11 @@ from runtime.forward_programs import server_programs
 _POOL_PAGES = 4096  # the pool's size does not change a forward's work
 
 
-def program_case(model: dict, engine: dict, shape: dict, with_lse: bool):
+def program_case(model: dict, engine: dict, shape: dict):
     """The server's program for a v6e chip, lowered (for `compile_schedules`)."""
     programs = server_programs(EngineConfig(**engine), ModelConfig(**model), v6e_devices(1),
                                _POOL_PAGES)
-    return programs.lower(BatchShape(**shape), with_lse)
+    return programs.lower(BatchShape(**shape))
 
 
 def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
@@ -61,7 +61,7 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
     engine_cfg = dataclasses.replace(engine_cfg, kernel_backend="auto", warmup=False)
     shape, batch, sizes = built or v6e_batch(cfg, engine_cfg, entries, labels)
     case = dict(model=dataclasses.asdict(cfg), engine=dataclasses.asdict(engine_cfg),
-                shape=dataclasses.asdict(shape), with_lse=with_lse)
+                shape=dataclasses.asdict(shape))
     (result,) = compile_schedules("profiling.forward_estimate:program_case", [case],
                                   program=True)
     kernels = _kernel_estimates(cfg, shape, batch, sizes, engine_cfg.page_size,

@@ -14,8 +14,10 @@ The estimate assumes, beyond `profiling.tpu_schedule`'s assumptions:
 - within one level of the TLP (the bundles outside any loop, the body of the layer loop) DMAs
   overlap compute: a level costs the larger of its bundles (its own and its callees') at the
   clock and its DMA bytes at HBM bandwidth, once per trip;
-- a Pallas kernel is priced by the caller (`kernel_seconds`, at its real steps) and adds to its
-  level; one the caller does not price is read as a fusion.
+- a Pallas kernel is priced by the caller (`kernel_seconds`: the batch's whole use of it, at its
+  real steps) and adds to its level once, however many places call it (the branches of a
+  conditional: the label gather's streamed kernel, with and without the logsumexp); a kernel the
+  caller does not price is read as a fusion.
 """
 import dataclasses
 import os
@@ -123,8 +125,8 @@ class Level:
                    ListingCost(self.bundles, self.hbm_bytes, 0))
 
     def kernels_seconds(self, kernel_seconds: dict[str, float]) -> float:
-        return sum(kernel_seconds[callee_kernel(name)] for name in self.calls
-                   if callee_kernel(name) in kernel_seconds)
+        called = {callee_kernel(name) for name in self.calls}
+        return sum(kernel_seconds[kernel] for kernel in called if kernel in kernel_seconds)
 
     def seconds(self, kernel_seconds: dict[str, float], clock_hz: float = V6E_CLOCK_HZ,
                 hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S) -> float:

@@ -80,7 +80,8 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
 
 
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
-                page_size: int, num_pages: int, sizes: BlockSizes | None = None) -> ForwardBatch:
+                page_size: int, num_pages: int, sizes: BlockSizes | None = None,
+                with_logsumexp: bool = False) -> ForwardBatch:
     """With block `sizes`, the attention metadata carries the block plan."""
     attention, offsets = _attention(entries, shape, page_size, sizes)
     rows = [offsets[i] + r - e.cached for i, e in enumerate(entries) for r in e.seq.score_rows]
@@ -99,4 +100,5 @@ def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape:
         score_rows=_pad(rows, shape.rows),
         label_ids=labels,
         num_rows=np.int32(len(rows)),
-        num_labels=np.int32(max(map(len, row_labels), default=0)))
+        num_labels=np.int32(max(map(len, row_labels), default=0)),
+        with_logsumexp=np.bool_(with_logsumexp))

@@ -54,26 +54,26 @@ class StepChannel:
         self._empty = {}  # shape -> the padded batch the other nodes receive into
         self._empty_args = (buckets.page_size, num_pages, buckets.sizes)
 
-    def publish(self, shape: BatchShape, with_lse: bool, batch: ForwardBatch) -> None:
-        self._header(_FORWARD, self.shapes.index(shape), with_lse)
+    def publish(self, shape: BatchShape, batch: ForwardBatch) -> None:
+        self._header(_FORWARD, self.shapes.index(shape))
         multihost_utils.broadcast_one_to_all(batch)
 
     def stop(self) -> None:
-        self._header(_STOP, 0, False)
+        self._header(_STOP, 0)
 
-    def receive(self) -> tuple[BatchShape, bool, ForwardBatch] | None:
+    def receive(self) -> tuple[BatchShape, ForwardBatch] | None:
         """The next step, or None when node 0 stopped."""
-        op, index, with_lse = self._header(0, 0, False)
+        op, index = self._header(0, 0)
         if op == _STOP:
             return None
         shape = self.shapes[index]
         if shape not in self._empty:
             self._empty[shape] = build_batch([], [], shape, *self._empty_args)
-        return shape, bool(with_lse), multihost_utils.broadcast_one_to_all(self._empty[shape])
+        return shape, multihost_utils.broadcast_one_to_all(self._empty[shape])
 
     @staticmethod
-    def _header(op: int, index: int, with_lse: bool) -> list[int]:
-        header = np.asarray([op, index, with_lse], np.int32)
+    def _header(op: int, index: int) -> list[int]:
+        header = np.asarray([op, index], np.int32)
         return multihost_utils.broadcast_one_to_all(header).tolist()
 
 
@@ -81,9 +81,9 @@ def follow(runner, channel: StepChannel) -> int:
     """Runs node 0's forwards until it stops; returns how many ran."""
     steps = 0
     while (step := channel.receive()) is not None:
-        shape, with_lse, batch = step
+        shape, batch = step
         try:
-            runner.run(batch, shape, with_lse)
+            runner.run(batch, shape)
         except Exception:  # node 0 saw the same failure and answered its requests
             logging.exception("forward of a %d-token batch failed", shape.tokens)
         steps += 1

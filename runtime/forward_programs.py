@@ -1,6 +1,6 @@
-"""The compiled forwards of one device group: one program per (BatchShape, with_logsumexp),
-compiled ahead of time and explicitly, so every compilation is counted and a batch never
-silently retraces.
+"""The compiled forwards of one device group: one program per BatchShape (whether to compute
+the logsumexp is the batch's choice, at run time), compiled ahead of time and explicitly, so
+every compilation is counted and a batch never silently retraces.
 
 Built from placed arrays (ModelRunner) or from the model's shapes alone (`abstract_programs`),
 the lowering is the same: a program compiled here for a deviceless TPU topology is the one a
@@ -116,10 +116,10 @@ class ForwardPrograms:
         k = self._cache.k
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
-    def lower(self, shape: BatchShape, with_lse: bool) -> jax.stages.Lowered:
+    def lower(self, shape: BatchShape) -> jax.stages.Lowered:
         forward = functools.partial(
-            score_forward, cfg=self.cfg, max_q_len=shape.tokens, with_logsumexp=with_lse,
-            backend=self.backend, sizes=self.buckets.sizes, shards=self.shards)
+            score_forward, cfg=self.cfg, max_q_len=shape.tokens, backend=self.backend,
+            sizes=self.buckets.sizes, shards=self.shards)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
         batch = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
                             self.buckets.sizes)
@@ -129,46 +129,44 @@ class ForwardPrograms:
         with jax.default_matmul_precision(matmul_precision(self._cache.k.dtype)):
             return jax.jit(sharded, donate_argnums=1).lower(self._params, self._cache, batch)
 
-    def get(self, shape: BatchShape, with_lse: bool) -> jax.stages.Compiled:
-        key = (shape, with_lse)
-        if key not in self._programs:
-            name = repr(key)
+    def get(self, shape: BatchShape) -> jax.stages.Compiled:
+        if shape not in self._programs:
+            name = repr(shape)
             program = self._disk.load(name) if self._disk else None
             compiled, hits = program is None, []
             if compiled:
                 with _xla_cache_hits() as hits:
-                    program = self.lower(shape, with_lse).compile(self.compiler_options)
+                    program = self.lower(shape).compile(self.compiler_options)
                 # XLA CPU serializes a program it read from JAX's cache without its fused
                 # kernels: stored, it would fail every forward of the next start.
                 if self._disk and not hits:
                     self._disk.store(name, program)
             with self._lock:
-                self._programs[key] = program
+                self._programs[shape] = program
                 self.compile_count += compiled
                 self.xla_cache_hit_count += bool(hits)
-        return self._programs[key]
+        return self._programs[shape]
 
     def warm_up(self, threads: int = os.cpu_count() or 1,
                 shapes: list[BatchShape] | None = None, progress_s: float = 10.0) -> None:
-        """Compiles `shapes` (default: every bucket), with and without the logsumexp, on
-        `threads` threads (XLA compiles outside the GIL), logging its progress every
-        `progress_s` and, at the end, how many programs were read from a cache."""
+        """Compiles `shapes` (default: every bucket) on `threads` threads (XLA compiles outside
+        the GIL), logging its progress every `progress_s` and, at the end, how many programs
+        were read from a cache."""
         shapes = self.buckets.all_shapes() if shapes is None else shapes
-        jobs = [(shape, lse) for shape in shapes for lse in (False, True)]
         compiled_before, hits_before = self.compile_count, self.xla_cache_hit_count
         start = last = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = [pool.submit(self.get, *job) for job in jobs]
+            futures = [pool.submit(self.get, shape) for shape in shapes]
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 future.result()
-                if time.monotonic() - last >= progress_s and done < len(jobs):
+                if time.monotonic() - last >= progress_s and done < len(shapes):
                     last = time.monotonic()
-                    logging.info("preparing %d/%d programs, %.0f s", done, len(jobs),
+                    logging.info("preparing %d/%d programs, %.0f s", done, len(shapes),
                                  last - start)
         compiled = self.compile_count - compiled_before
         logging.info("%d programs ready in %.0f s: %d read from the program cache, %d compiled "
-                     "(%d of them found in JAX's compilation cache)", len(jobs),
-                     time.monotonic() - start, len(jobs) - compiled, compiled,
+                     "(%d of them found in JAX's compilation cache)", len(shapes),
+                     time.monotonic() - start, len(shapes) - compiled, compiled,
                      self.xla_cache_hit_count - hits_before)
 
 

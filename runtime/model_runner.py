@@ -24,7 +24,7 @@ from model.sharding import (
 from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.forward_programs import ForwardPrograms
 
-Publish = Callable[[BatchShape, bool, ForwardBatch], None]
+Publish = Callable[[BatchShape, ForwardBatch], None]
 
 
 class ModelRunner:
@@ -68,15 +68,15 @@ class ModelRunner:
     def warm_up(self, threads: int = os.cpu_count() or 1) -> None:
         self.programs.warm_up(threads)
 
-    def run(self, batch: ForwardBatch, shape: BatchShape, with_lse: bool):
-        """Label logits [rows, labels] and logsumexp [rows] (zeros without) as float64."""
+    def run(self, batch: ForwardBatch, shape: BatchShape):
+        """Label logits [rows, labels] and logsumexp [rows] (zeros unless the batch asks for
+        it) as float64."""
         try:
-            program = self.programs.get(shape, with_lse)
+            program = self.programs.get(shape)
             if self._publish is not None:
-                self._publish(shape, with_lse, batch)
+                self._publish(shape, batch)
             logits, lse, self.cache = program(self.params, self.cache, batch)
-            logits = np.asarray(logits, np.float64)
-            lse = np.asarray(lse, np.float64) if with_lse else np.zeros(len(logits))
+            logits, lse = np.asarray(logits, np.float64), np.asarray(lse, np.float64)
         except BaseException:
             self._restore_cache()
             raise

@@ -30,12 +30,9 @@ class DeviceMemory:
 
 
 def bytes_beside_pool(programs: ForwardPrograms) -> int:
-    """Per device, what the largest bucket's programs hold besides the KV pool: arguments
+    """Per device, what the largest bucket's program holds besides the KV pool: arguments
     (params, batch), temp, and outputs that are not the donated pool."""
-    largest = programs.buckets.all_shapes()[-1]
-    programs.warm_up(shapes=[largest])
-    held = max(footprint(programs.get(largest, with_lse)) for with_lse in (False, True))
-    return held - programs.pool_bytes
+    return footprint(programs.get(programs.buckets.all_shapes()[-1])) - programs.pool_bytes
 
 
 def cpu_pool_tokens(engine_cfg: EngineConfig) -> int:

@@ -166,9 +166,9 @@ class Scheduler:
                                    len(entries))
         with jax.profiler.TraceAnnotation("build_batch"):
             forward = build_batch(entries, labels, shape, self.buckets.page_size,
-                                  self.runner.num_pages, self.runner.sizes)
+                                  self.runner.num_pages, self.runner.sizes, with_lse)
         with jax.profiler.TraceAnnotation("forward"):
-            logits, lse = self.runner.run(forward, shape, with_lse)
+            logits, lse = self.runner.run(forward, shape)
         self.stats.padded_tokens += shape.tokens
         return logits, lse
 

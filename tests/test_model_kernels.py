@@ -51,7 +51,7 @@ def _forward_batch(engine, tokens: int):
     runner = engine.runner
     entries, labels, shape = schedule(engine, tokens, np.random.default_rng(0))
     return build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                       runner.sizes), shape
+                       runner.sizes, with_logsumexp=True), shape
 
 
 @pytest.mark.parametrize("feature_major_max_tokens", [0, 512])
@@ -75,7 +75,7 @@ def test_per_layer_weights_give_the_stacked_forward(engines, monkeypatch,
                           **{k: jnp.stack([m[k].T for m in matrices]) for k in matrices[0]}}}
     batch, shape = _forward_batch(engine, 64)
     forward = jax.jit(functools.partial(score_forward, cfg=cfg, max_q_len=shape.tokens,
-                                        with_logsumexp=True, backend="xla", sizes=runner.sizes))
+                                        backend="xla", sizes=runner.sizes))
     cache = empty_cache(cfg, runner.num_pages, runner.buckets.page_size, jnp.float32, "xla")
     got, want = forward(per_layer, cache, batch), forward(stacked, cache, batch)
     # `w @ x` and `x @ w` sum in different orders: up to 6e-6 apart on logits up to 3.9
@@ -90,8 +90,8 @@ def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
     from model.decoder import empty_cache
     runner = engines["qwen3"].runner
     batch, shape = _forward_batch(engines["qwen3"], 64)
-    ours = runner.programs.get(shape, True)
-    defaults = runner.programs.lower(shape, True).compile()
+    ours = runner.programs.get(shape)
+    defaults = runner.programs.lower(shape).compile()
     assert "ynn_fusion" in defaults.as_text() and "ynn_fusion" not in ours.as_text()
     # each on a pool of its own: the batch's pages are not the engine's to write
     got, want = (program(runner.params, empty_cache(runner.cfg, runner.num_pages,

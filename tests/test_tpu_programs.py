@@ -2,9 +2,9 @@
 topologies, abstract weights), and the KV pool updated in place on every backend.
 
 Each program is built by runtime.forward_programs.server_programs, as the Engine builds its
-replicas' programs. Cost on 2 cores: the embedded model's whole bucket set is about 3
-minutes (every bucket, both logsumexp variants, the server's default budgets); every other
-configuration compiles one bucket, or the largest where memory is the question.
+replicas' programs. Cost on 2 cores: the embedded model's whole bucket set (29 programs at the
+server's default budgets) is about 5 minutes; every other configuration compiles one bucket,
+or the largest where memory is the question.
 """
 import functools
 
@@ -23,9 +23,10 @@ from runtime.engine_config import EngineConfig
 from runtime.forward_programs import server_programs
 from runtime.pool_size import DeviceMemory, kv_pool_pages
 
-KERNELS = {False: ["label_gather_rows", "label_gather_streamed", "ragged_paged_attention",
-                   "write_kv_pages"],  # labels only: tiles or streaming, chosen at run time
-           True: ["label_gather_streamed", "ragged_paged_attention", "write_kv_pages"]}
+# The label gather's kernels: tiles or streaming (with or without the logsumexp), chosen at
+# run time.
+KERNELS = ["label_gather_rows", "label_gather_streamed", "ragged_paged_attention",
+           "write_kv_pages"]
 POOL_PAGES = 2048  # 32k tokens, the server's default pool on CPU
 
 
@@ -37,18 +38,17 @@ def assert_in_place(programs, compiled) -> None:
 
 
 def test_every_server_program_of_the_embedded_model_compiles_for_v6e():
-    """All of them: every token bucket of the default budgets, with and without logsumexp."""
+    """All of them: every token bucket of the default budgets."""
     programs = server_programs(EngineConfig(dtype="bfloat16"), load_config(None),
                                v6e_devices(1), POOL_PAGES)
     assert programs.backend == "pallas"
     programs.warm_up(threads=2)
     shapes = programs.buckets.all_shapes()
-    assert programs.compile_count == 2 * len(shapes) == 58
+    assert programs.compile_count == len(shapes) == 29
     for shape in shapes:
-        for with_lse in (False, True):
-            compiled = programs.get(shape, with_lse)
-            assert mosaic_kernels(compiled) == KERNELS[with_lse], shape
-            assert_in_place(programs, compiled)
+        compiled = programs.get(shape)
+        assert mosaic_kernels(compiled) == KERNELS, shape
+        assert_in_place(programs, compiled)
 
 
 # TP 1 of Qwen3-0.6B and Llama-3.2-1B: their largest programs, in the test after this one.
@@ -58,16 +58,14 @@ TENSOR_PARALLEL = [("SmolLM2-135M", 3), ("Qwen3-0.6B", 4), ("Qwen2.5-0.5B", 1),
 
 @pytest.mark.parametrize("model, tp", TENSOR_PARALLEL)
 def test_sized_model_programs_compile_for_v6e(model, tp):
-    """One 512-token bucket, both variants, on one chip or split over a 2x2 slice."""
+    """One 512-token bucket, on one chip or split over a 2x2 slice."""
     cfg = SIZED_MODELS[model]
     programs = server_programs(EngineConfig(dtype="bfloat16", tp_size=tp), cfg,
                                v6e_devices(1 if tp == 1 else 4)[:tp], POOL_PAGES)
-    shape = programs.buckets.shape(512)
-    for with_lse in (False, True):
-        compiled = programs.get(shape, with_lse)
-        assert mosaic_kernels(compiled) == KERNELS[with_lse]
-        assert_in_place(programs, compiled)
-        assert ("all-reduce" in compiled.as_text()) == (tp > 1)
+    compiled = programs.get(programs.buckets.shape(512))
+    assert mosaic_kernels(compiled) == KERNELS
+    assert_in_place(programs, compiled)
+    assert ("all-reduce" in compiled.as_text()) == (tp > 1)
     if tp > 1:  # each chip holds its own KV heads only
         assert programs.pool_bytes * tp == server_programs(
             EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES).pool_bytes
@@ -82,13 +80,10 @@ def test_default_pool_fits_a_32_gib_v6e(model):
     pages = kv_pool_pages(engine_cfg, programs_with, DeviceMemory(V6E_HBM_BYTES))
     programs = programs_with(pages)
     assert programs.pool_bytes > 0.6 * V6E_HBM_BYTES  # most of the chip goes to the pool
-    largest = programs.buckets.all_shapes()[-1]
-    programs.warm_up(threads=2, shapes=[largest])
-    for with_lse in (False, True):
-        compiled = programs.get(largest, with_lse)
-        assert mosaic_kernels(compiled) == KERNELS[with_lse]
-        assert_in_place(programs, compiled)
-        assert hbm_bytes(compiled)["total"] <= engine_cfg.mem_fraction * V6E_HBM_BYTES
+    compiled = programs.get(programs.buckets.all_shapes()[-1])
+    assert mosaic_kernels(compiled) == KERNELS
+    assert_in_place(programs, compiled)
+    assert hbm_bytes(compiled)["total"] <= engine_cfg.mem_fraction * V6E_HBM_BYTES
 
 
 def test_a_pool_that_cannot_hold_one_batch_is_refused():
@@ -105,5 +100,4 @@ def test_cpu_programs_update_the_pool_in_place(backend, tp):
     """The same rule off TPU: temp does not grow with the pool."""
     engine_cfg = EngineConfig(kernel_backend=backend, tp_size=tp, max_prefill_tokens=512)
     programs = server_programs(engine_cfg, load_config(None), jax.devices()[:tp], POOL_PAGES)
-    for with_lse in (False, True):
-        assert_in_place(programs, programs.get(programs.buckets.shape(512), with_lse))
+    assert_in_place(programs, programs.get(programs.buckets.shape(512)))
