@@ -13,11 +13,12 @@ import jax.numpy as jnp
 from kernels.rms_norm import rms_norm
 
 # With the logsumexp every row block reads the whole head, as vocabulary-major logits
-# [V, rows] (head . x^T): on CPU (XLA's Eigen dots, runtime.forward_programs) a block of
-# SmolLM2's head takes 4 / 10 / 13 / 16 / 29 / 43 ms at 1 / 16 / 32 / 48 / 96 / 128 rows, where
-# x . head^T took 4 / 16 / 21 / 31 (64 rows) / 148 ms (128), and 62 ms at 2-6 rows. Blocks of
-# 128 rows; the last few rows in a block of 1, 16, 32, 48 or 96.
-ROW_BLOCK, TAIL_BLOCKS = 128, (1, 16, 32, 48, 96)
+# [V, rows] (head . x^T): on CPU (XLA's Eigen dots, runtime.forward_programs) x . head^T took
+# 4x as long at 2-6 rows (README, "Forward per bucket"). Each block size is code of its own,
+# 0.4 s of a program's compile on CPU: one row alone, a few rows in a block of 16, and more
+# in a loop over blocks of 48, where a block of SmolLM2's head costs 0.58 ms a row (0.88 at
+# 16 rows).
+ROW_BLOCK, TAIL_BLOCKS = 48, (1, 16)
 
 
 def check_gather_shapes(hidden, norm_weight, head, label_ids) -> None:
@@ -48,11 +49,10 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None
 
 
-def _vocab_major_block(hidden, norm_weight, head, label_ids, eps: float):
-    """The reference with the logsumexp, its logits computed [V, R] (XLA would turn a
-    transpose of them back into [R, V] logits)."""
-    logits = jnp.einsum("vh,rh->vr", head, rms_norm(hidden, norm_weight, eps),
-                        preferred_element_type=jnp.float32)
+def _vocab_major_block(x, head, label_ids):
+    """Label logits and logsumexp of normed rows x, the logits computed [V, R] (XLA would turn
+    a transpose of them back into [R, V] logits)."""
+    logits = jnp.einsum("vh,rh->vr", head, x, preferred_element_type=jnp.float32)
     label_logits = jnp.take_along_axis(logits, label_ids.T, axis=0).T
     return label_logits, jax.nn.logsumexp(logits, axis=0)
 
@@ -61,9 +61,9 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
                                 with_logsumexp: bool, num_rows, num_labels=None,
                                 row_block: int = ROW_BLOCK):
     """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
-    row reads the whole head, `row_block` rows at a time and the last few rows in a smaller
-    block (`TAIL_BLOCKS`), so that padded rows cost little. Rows past the last block are zero.
-    Every label is computed (`num_labels` is not used)."""
+    row reads the whole head, one row alone, up to 16 in one block (`TAIL_BLOCKS`), and more
+    in a loop over blocks of `row_block`, so that padded rows cost little. Rows past the
+    last block are zero. Every label is computed (`num_labels` is not used)."""
     del num_labels
     check_gather_shapes(hidden, norm_weight, head, label_ids)
     kw = dict(eps=eps, with_logsumexp=with_logsumexp)
@@ -71,28 +71,30 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
     if not with_logsumexp:  # a padded row costs K head rows; in a loop XLA CPU copied the head
         logits, _ = final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, **kw)
         return jnp.where(jnp.arange(r)[:, None] < num_rows, logits, 0.0), None
+    row_block = min(row_block, r)
     pad = -r % row_block
-    hidden, label_ids = jnp.pad(hidden, ((0, pad), (0, 0))), jnp.pad(label_ids, ((0, pad), (0, 0)))
+    x = jnp.pad(rms_norm(hidden, norm_weight, eps), ((0, pad), (0, 0)))
+    label_ids = jnp.pad(label_ids, ((0, pad), (0, 0)))
 
     def block(start, size, out):
         rows = (start, 0)
-        logits, lse = _vocab_major_block(
-            jax.lax.dynamic_slice(hidden, rows, (size, hidden.shape[1])), norm_weight, head,
-            jax.lax.dynamic_slice(label_ids, rows, (size, k)), eps)
+        logits, lse = _vocab_major_block(jax.lax.dynamic_slice(x, rows, (size, x.shape[1])), head,
+                                         jax.lax.dynamic_slice(label_ids, rows, (size, k)))
         return (jax.lax.dynamic_update_slice(out[0], logits, rows),
                 jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
 
     num_rows = jnp.asarray(num_rows, jnp.int32)
-    out = (jnp.zeros((r + pad, k), jnp.float32), jnp.zeros(r + pad, jnp.float32))
-    full = 0
+    blocks = -(-num_rows // row_block)
+
+    def all_blocks(out):
+        return jax.lax.fori_loop(0, blocks, lambda i, o: block(i * row_block, row_block, o), out)
+
     # With one block the loop's slice would be invariant: XLA hoisted its dot out of the loop
-    # and ran it even at 0 trips. The switch below takes that block instead.
-    if r + pad > row_block:
-        full = num_rows // row_block
-        out = jax.lax.fori_loop(0, full, lambda i, o: block(i * row_block, row_block, o), out)
-    sizes = sorted({s for s in TAIL_BLOCKS if s < row_block} | {row_block})
-    tail, start = num_rows - full * row_block, full * row_block
-    branches = [lambda out: out] + [functools.partial(block, start, s) for s in sizes]
-    which = sum((tail > s).astype(jnp.int32) for s in [0, *sizes[:-1]])
+    # and ran it even at 0 trips. A branch of the switch takes that block instead.
+    many = all_blocks if r + pad > row_block else functools.partial(block, 0, row_block)
+    tails = [s for s in TAIL_BLOCKS if s < row_block]
+    branches = [lambda out: out] + [functools.partial(block, 0, s) for s in tails] + [many]
+    which = sum((num_rows > s).astype(jnp.int32) for s in [0, *tails])
+    out = (jnp.zeros((r + pad, k), jnp.float32), jnp.zeros(r + pad, jnp.float32))
     logits, lse = jax.lax.switch(which, branches, out)
     return logits[:r], lse[:r]

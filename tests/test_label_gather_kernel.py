@@ -1,5 +1,7 @@
 """The fused RMSNorm + label gather kernels (TPU interpret mode on CPU, and compiled for TPU
 v6e) and the row-blocked XLA path vs the reference."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import (
     ROW_BLOCK,
+    TAIL_BLOCKS,
     final_norm_label_gather_reference,
     final_norm_label_gather_xla,
 )
@@ -57,13 +60,14 @@ def test_kernel_matches_reference(case):
 
 
 @pytest.mark.parametrize("with_lse", [True, False])
-@pytest.mark.parametrize("num_rows", [0, 1, 3, 17, 40, 64, 100, 128, 129, 250])  # each tail
+@pytest.mark.parametrize("num_rows", [0, 1, 3, 16, 17, 40, 48, 49, 100, 250])  # each branch
 def test_xla_path_computes_the_first_rows(num_rows, with_lse):
     args = inputs(np.random.default_rng(num_rows), 300, 3, 5000, jnp.float32)
     kw = dict(eps=1e-6, with_logsumexp=with_lse)
-    want = final_norm_label_gather_reference(*args, **kw)
-    got = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp"))(
-        *args, **kw, num_rows=num_rows)
+    with jax.default_matmul_precision("float32"):  # a GPU's default would round to TF32
+        want = final_norm_label_gather_reference(*args, **kw)
+        got = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp"))(
+            *args, **kw, num_rows=num_rows)
     np.testing.assert_allclose(got[0][:num_rows], want[0][:num_rows], rtol=1e-5, atol=1e-5)
     skipped = -(-num_rows // ROW_BLOCK) * ROW_BLOCK  # whole row blocks past num_rows: not computed
     assert not np.asarray(got[0][skipped:]).any()
@@ -73,17 +77,27 @@ def test_xla_path_computes_the_first_rows(num_rows, with_lse):
         assert got[1] is None
 
 
-@pytest.mark.parametrize("rows", [16, ROW_BLOCK])
+@pytest.mark.parametrize("rows", [16, 24, ROW_BLOCK])
 def test_xla_path_with_one_row_block_computes_it_in_the_switch_only(rows):
-    """Buckets up to ROW_BLOCK tokens have one block of rows. A loop over whole blocks would slice the
-    same rows on every trip, and XLA hoisted that block's head dot out of the loop, to run even
+    """Buckets up to ROW_BLOCK rows have one block of rows. A loop over whole blocks would slice
+    the same rows on every trip, and XLA hoisted that block's head dot out of the loop, to run even
     at 0 trips (a third of a 16-token forward's time on CPU). XLA's own count of the program's
     FLOPs must be that of one block at most (a switch counts as its largest branch)."""
     args = inputs(np.random.default_rng(rows), rows, 3, 5000, jnp.float32)
     compiled = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp")
                        ).lower(*args, eps=1e-6, with_logsumexp=True, num_rows=1).compile()
-    block_flops = 2 * ROW_BLOCK * args[0].shape[1] * args[2].shape[0]
+    block_flops = 2 * rows * args[0].shape[1] * args[2].shape[0]
     assert compiled.cost_analysis()["flops"] < 1.2 * block_flops
+
+
+def test_xla_path_has_three_block_sizes_whatever_the_rows():
+    """Each block size is code of its own, about 0.4 s of a CPU program's compile: one row,
+    the tail block and the loop's block, and no more however many rows a bucket has."""
+    args = inputs(np.random.default_rng(0), 256, 3, 5000, jnp.float32)
+    compiled = jax.jit(final_norm_label_gather_xla, static_argnames=("eps", "with_logsumexp")
+                       ).lower(*args, eps=1e-6, with_logsumexp=True, num_rows=1).compile()
+    head_dots = re.findall(r"= f32\[5000,(\d+)\]\{[^}]*\} dot\(", compiled.as_text())
+    assert sorted(map(int, head_dots)) == sorted([*TAIL_BLOCKS, ROW_BLOCK])
 
 
 @pytest.mark.parametrize("with_lse", [True, False])
