@@ -160,12 +160,21 @@ def label_rows_cost(rows: int, labels: int, hidden: int, itemsize: int,
                            bytes_accessed=(tiles + rows) * hidden * itemsize + rows * labels * 4)
 
 
+def label_groups(labels: int, group: int = _STREAM_LABELS) -> list[int]:
+    """Streamed: the labels of each kernel call (`_by_label_groups`)."""
+    return [min(group, labels - first) for first in range(0, max(labels, 1), group)]
+
+
 def streamed_cost(rows: int, labels: int, vocab: int, hidden: int, row_block: int,
                   itemsize: int) -> pl.CostEstimate:
-    """Logsumexp: the whole head streamed once per block of `row_block` rows."""
-    return pl.CostEstimate(flops=2 * rows * vocab * hidden, transcendentals=rows * vocab,
-                           bytes_accessed=pl.cdiv(rows, row_block) * vocab * hidden * itemsize
-                           + rows * hidden * itemsize + rows * (labels + 1) * 4)
+    """Logsumexp: the whole head streamed once per block of `row_block` rows, in each kernel
+    call of `label_groups(labels)` (one call in a kernel's own estimate)."""
+    calls = len(label_groups(labels))
+    head_reads = calls * pl.cdiv(rows, row_block)
+    return pl.CostEstimate(flops=calls * 2 * rows * vocab * hidden,
+                           transcendentals=calls * rows * vocab,
+                           bytes_accessed=head_reads * vocab * hidden * itemsize
+                           + calls * rows * hidden * itemsize + rows * (labels + calls) * 4)
 
 
 def label_tiles_pay(runs, labels, vocab: int):

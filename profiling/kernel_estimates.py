@@ -3,7 +3,12 @@
 forward's estimate, which compile the kernels in different programs.
 """
 from kernels.attention_plan import AttentionPlan, real_q_blocks
-from kernels.label_gather_kernel import head_tile_rows, label_row_block, streamed_row_block
+from kernels.label_gather_kernel import (
+    head_tile_rows,
+    label_groups,
+    label_row_block,
+    streamed_row_block,
+)
 from profiling.tpu_schedule import KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
@@ -34,19 +39,22 @@ def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
 
 def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab: int,
                           hidden: int, labels: int, kernel_bytes: float) -> dict:
-    """The gather kernel of `mode` on `rows` rows of `labels` labels, each loop with a runtime
-    bound run once per label: the streamed kernel's loop over labels; labels only, with one
+    """The gather kernel of `mode` on `rows` rows of `labels` labels (streamed: one call per
+    group of `label_groups`, each streaming the head), each loop with a runtime bound run once
+    per label of its call: the streamed kernel's loop over labels; labels only, with one
     label run, an upper bound (its loops over a chunk's tiles and labels run once per label,
     its loop over chunks once, its scan for the next run never). A head tile clamped at the
-    vocabulary's end has a runtime size: then the step's bytes are `kernel_bytes` (its own
-    count) per step."""
-    per_label = {j: labels for j, (_, trips, _) in enumerate(schedule.inner_loops)
-                 if trips is None}
+    vocabulary's end has a runtime size: then the step's bytes are `kernel_bytes` (the
+    calls' own count) per step."""
+    calls = label_groups(labels) if mode == "streamed_logsumexp" else [labels]
     steps = label_gather_steps(mode, rows, vocab, hidden)
-    step_bytes = kernel_bytes / steps if schedule.step_unsized_dmas else None
-    return {"step_bundles": schedule.step_bundles(loop_trips=per_label),
-            "v6e_estimate_s": estimate_seconds(schedule, steps, loop_trips=per_label,
-                                               step_bytes=step_bytes)}
+    step_bytes = kernel_bytes / steps / len(calls) if schedule.step_unsized_dmas else None
+
+    def per_label(n: int) -> dict:
+        return {j: n for j, (_, trips, _) in enumerate(schedule.inner_loops) if trips is None}
+    return {"step_bundles": schedule.step_bundles(loop_trips=per_label(calls[0])),
+            "v6e_estimate_s": sum(estimate_seconds(schedule, steps, loop_trips=per_label(n),
+                                                   step_bytes=step_bytes) for n in calls)}
 
 
 def label_run_count(row_labels: list[list[int]]) -> int:

@@ -2,8 +2,11 @@
 real compiler's schedules of kernels whose work is known."""
 import pytest
 
+from kernels.label_gather_kernel import streamed_cost
+from profiling.kernel_estimates import label_gather_estimate
 from profiling.tpu_schedule import (
     V6E_CLOCK_HZ,
+    KernelSchedule,
     V6E_HBM_BYTES_PER_S,
     compile_schedules,
     estimate_seconds,
@@ -117,6 +120,24 @@ def test_label_gather_schedules_loop_over_labels_and_size_their_dmas():
     assert s.step_unsized_dmas > 0
     with pytest.raises(ValueError, match="runtime size"):
         estimate_seconds(s, 3)
+
+
+def test_the_streamed_gather_costs_a_head_read_per_call_of_up_to_64_labels():
+    """More than 64 labels take a streamed call per group of 64, each reading the whole head:
+    the estimate and the cost add up the calls."""
+    s = KernelSchedule("label_gather_streamed", total_bundles=40, prologue=10, step=30,
+                       epilogue=10, step_units={}, step_hbm_dma_bytes=10**6,
+                       step_unsized_dmas=0, spans=(), inner_loops=((4, None, 0),))
+
+    def estimate(labels):
+        return label_gather_estimate(s, "streamed_logsumexp", 16, 5000, 256, labels,
+                                     kernel_bytes=0)["v6e_estimate_s"]
+    assert estimate(128) == pytest.approx(2 * estimate(64))
+    assert estimate(96) == pytest.approx(estimate(64) + estimate(32))
+    head = 5000 * 256 * 2
+    cost = [streamed_cost(16, n, 5000, 256, 16, 2) for n in (64, 128)]
+    assert cost[1].bytes_accessed - cost[0].bytes_accessed >= head
+    assert cost[1].flops == 2 * cost[0].flops
 
 
 def test_jax_ragged_paged_attention_goes_through_the_same_estimate():
