@@ -1,6 +1,7 @@
 """The Pallas ragged paged attention kernel (TPU interpret mode on CPU) and the planned XLA
 path vs the reference."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from kernels.ragged_paged_attention import (
     visible_mask,
 )
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
-from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from kernels.ragged_paged_attention_xla import block_rows, ragged_paged_attention_xla
 from model.decoder import pool_head_dim
 from profiling.tpu_compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
 from tests.attention_cases import random_batch
@@ -54,16 +55,17 @@ def run_both(q, k, v, md, sizes, interpret, layer=1):
         interpret, sizes = "xla", with_item_steps(sizes, page)
     plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3, page_size=page))
     kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()))
-    if interpret == "xla":
-        xla = jax.jit(ragged_paged_attention_xla,
-                      static_argnames=("sm_scale", "max_q_len", "sizes"))
-        got = xla(
-            q, k, v, layer, md._replace(plan=plan), sizes=sizes, **kw)
-    else:
-        got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
-                                     interpret=interpret, **kw)
-    return np.asarray(got, np.float32), np.asarray(
-        ragged_paged_attention_reference(q, k, v, layer, md, **kw), np.float32)
+    # float32 dots, as the server's float32 programs (at the default, a GPU's are TF32)
+    with jax.default_matmul_precision("float32"):
+        if interpret == "xla":
+            xla = jax.jit(ragged_paged_attention_xla,
+                          static_argnames=("sm_scale", "max_q_len", "sizes"))
+            got = xla(q, k, v, layer, md._replace(plan=plan), sizes=sizes, **kw)
+        else:
+            got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
+                                         interpret=interpret, **kw)
+        want = ragged_paged_attention_reference(q, k, v, layer, md, **kw)
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
 
 
 CASES = [  # (specs, hq, hkv, d, page_size, sizes, dtype)
@@ -132,6 +134,26 @@ def test_padding_tokens_come_out_finite(path):
     got, want = run_both(q, k, v, md, BlockSizes(8, 8), mode)
     assert n < 16 and np.isfinite(got).all()
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5)
+
+
+@pytest.mark.parametrize("items", [False, True])
+def test_xla_block_steps_of_a_batch_smaller_than_a_q_block_take_its_rows(items):
+    """All tokens in one q block: the block step scores the rows they fill (whole item
+    blocks), not the q block's, and the output is the reference's."""
+    q, k, v, md, n = random_batch(np.random.default_rng(5), [("items", 9, [4, 3]),
+                                                             ("causal", 6)],
+                                  hq=4, hkv=2, d=64, page_size=8, dtype=jnp.float32)
+    sizes = with_item_steps(BlockSizes(64, 16), 8) if items else BlockSizes(64, 16)
+    rows = block_rows(q.shape[0], sizes)
+    assert rows == (32 if items else q.shape[0]) < sizes.q_block  # 27 tokens
+    got, want = run_both(q, k, v, md, sizes, "xla")
+    np.testing.assert_allclose(got[:n], want[:n], atol=1e-5)
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, page_size=8))
+    program = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale", "max_q_len",
+                                                                   "sizes")).lower(
+        q, k, v, 1, md._replace(plan=plan), sm_scale=0.125, max_q_len=q.shape[0], sizes=sizes)
+    scores = set(re.findall(r"dot_general.*-> tensor<2x(\d+)x16xf32>", program.as_text()))
+    assert scores == ({str(2 * rows), "16"} if items else {str(2 * rows)})  # 2 heads a group
 
 
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
