@@ -155,11 +155,14 @@ def _block_flags(blocks: np.ndarray) -> np.ndarray:
 def kv_split(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_len: int,
              sizes: BlockSizes) -> int:
     """Where a sequence's block steps stop (its rows `pos`, `vis`): the query's L if item
-    steps can take the positions past it, each row seeing at most item_kv_block of them;
-    else kv_len."""
+    steps can take the positions past it, each row seeing at most item_kv_block of them, and
+    they lie past the KV block the query ends in (a block the item rows visit anyway); else
+    kv_len."""
     past_query = pos - np.maximum(vis, shared_len) + 1
     short = past_query.max(initial=0) <= sizes.item_kv_block
-    return shared_len if sizes.item_q_block and shared_len > 0 and short else kv_len
+    beyond_query_block = kv_len > -(-shared_len // sizes.kv_block) * sizes.kv_block
+    items = sizes.item_q_block and shared_len > 0 and short and beyond_query_block
+    return shared_len if items else kv_len
 
 
 def item_windows(pos: np.ndarray, vis: np.ndarray, split: int, sizes: BlockSizes,

@@ -284,6 +284,23 @@ def test_item_steps_take_short_items_of_sglangs_shape():
     assert len(item_blocks) <= plan.items.num_steps <= 2 * len(item_blocks)
 
 
+@pytest.mark.parametrize("query, items, item_steps", [(50, [10] * 4, False),
+                                                      (100, [14, 14], False),
+                                                      (100, [15, 15], True)])
+def test_item_steps_only_for_items_past_the_kv_block_the_query_ends_in(query, items,
+                                                                       item_steps):
+    """Items that end within the query's last KV block (128 positions on CPU), which their rows
+    visit for the query anyway, go to the block step; past it, item steps take them."""
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("items", query, items)], hq=1,
+                                  hkv=1, d=8, page_size=16, dtype=jnp.float32)
+    sizes = default_block_sizes("xla cpu", 16)
+    plan = plan_for(md, sizes, page_size=16)
+    kv_len = query + sum(items)
+    assert plan.kv_split.tolist() == [query if item_steps else kv_len]
+    assert (plan.items.num_steps > 0) == item_steps
+    assert set(plan.step_kv[:int(plan.num_steps)].tolist()) == {0}  # KV block 0 either way
+
+
 def test_sequences_that_share_a_q_block_get_a_segment_each():
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 5), ("causal", 6)],
                                   hq=1, hkv=1, d=8, page_size=8, dtype=jnp.float32)
