@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from kernels.attention_plan import real_q_blocks, visited_kv_blocks
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
+from kernels.ragged_paged_attention_xla import block_rows
 from model.config import ModelConfig
 from profiling.forward_estimate import forward_estimate, v6e_batch
 from profiling.roofline import roofline
@@ -126,10 +127,13 @@ def reference_matmul(n: int = 4096):
     return (jax.jit(jnp.matmul), (a, a)), 2 * n ** 3
 
 
-def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int) -> pl.CostEstimate:
-    """One layer's attention at the plan's real steps, its item steps included."""
+def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int,
+                   backend: str) -> pl.CostEstimate:
+    """One layer's attention at the plan's real steps, its item steps included; the XLA loop's
+    block steps take fewer rows than a q block where the batch has fewer tokens."""
     group = cfg.num_heads // cfg.num_kv_heads
-    cost = attention_cost(visited_kv_blocks(plan), real_q_blocks(plan), sizes.q_block * group,
+    q_block = block_rows(len(plan.token_pos), sizes) if backend == "xla" else sizes.q_block
+    cost = attention_cost(visited_kv_blocks(plan), real_q_blocks(plan), q_block * group,
                           cfg.num_kv_heads, cfg.head_dim, sizes.kv_block, itemsize)
     if plan.items is None:
         return cost
@@ -143,11 +147,11 @@ def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int) -> pl.CostEstim
 
 
 def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
-         itemsize: int):
+         itemsize: int, backend: str):
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
-    attn = attention_work(cfg, batch.attention.plan, sizes, itemsize)
+    attn = attention_work(cfg, batch.attention.plan, sizes, itemsize, backend)
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
     layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(
@@ -186,7 +190,7 @@ def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
     estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
     bound = roofline(*work(cfg, engine.runner.params, batch, tokens, len(labels), sizes,
-                           with_lse, 2), None)["v6e_roofline_s"]
+                           with_lse, 2, "pallas"), None)["v6e_roofline_s"]
     return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound,
             "fraction_of_roofline": bound / estimate["v6e_estimate_s"],
             "block_sizes": estimate["block_sizes"], "levels": estimate["levels"],
@@ -234,7 +238,8 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
-                                      runner.sizes, with_lse, itemsize), seconds),
+                                      runner.sizes, with_lse, itemsize, runner.backend),
+                                seconds),
                      "v6e_estimate": v6e_estimate(engine, entries, labels, with_lse)
                      if estimate else None})
     return {"model": cfg.family, "layers": cfg.num_layers,

@@ -152,6 +152,27 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
         f"bucket_{b}" for b in sorted(["16", "64"])]
 
 
+def test_the_forwards_attention_work_counts_the_rows_the_xla_block_steps_take():
+    """16 tokens, CPU's q blocks of 128: the XLA loop's block step takes the batch's 16 rows
+    a head, the Pallas kernel's a whole q block, and the work counts each one's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels.attention_plan import build_plan, default_block_sizes
+    from model.loader import load_config
+    from profiling.bench_forward import attention_work
+    from tests.attention_cases import random_batch
+    _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 11)], hq=1, hkv=1, d=8,
+                                  page_size=16, dtype=jnp.float32)
+    sizes = default_block_sizes("xla cpu", 16)
+    plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
+                      page_size=16)
+    assert len(plan.token_pos) == 16 and plan.items.num_steps == 0
+    xla, pallas = (attention_work(load_config(None), plan, sizes, 4, backend)
+                   for backend in ("xla", "pallas"))
+    assert xla.flops * sizes.q_block == pallas.flops * 16 > 0
+
+
 def test_bench_layer_layout_times_every_layout_on_the_same_work(model_dirs, tmp_path):
     out = tmp_path / "layouts.json"
     subprocess.run([sys.executable, "-m", "profiling.bench_layer_layout", "--model-path",
