@@ -85,8 +85,8 @@ def block_rows(t: int, sizes: BlockSizes) -> int:
     """The block steps' q block for `t` tokens. Fewer tokens than sizes.q_block make one
     block, whose rows need only cover them (whole item blocks): a 16-token program on CPU
     then scores 48 rows against a KV block, not 384."""
-    whole_items = -(-t // (sizes.item_q_block or 1)) * (sizes.item_q_block or 1)
-    return min(sizes.q_block, whole_items)
+    unit = sizes.item_q_block or 1
+    return min(sizes.q_block, -(-t // unit) * unit)
 
 
 def _check_plan(plan, t: int, sizes: BlockSizes) -> None:

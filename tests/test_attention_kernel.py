@@ -47,6 +47,10 @@ def with_item_steps(sizes, page_size):
     return dataclasses.replace(sizes, item_q_block=8, item_kv_block=max(page_size, 16))
 
 
+xla_attention = jax.jit(ragged_paged_attention_xla,
+                        static_argnames=("sm_scale", "max_q_len", "sizes"))
+
+
 def run_both(q, k, v, md, sizes, interpret, layer=1):
     """`interpret`: TPU interpreter parameters for the Pallas kernel, "xla", or "xla_items"
     (the XLA loop with item steps added to `sizes`)."""
@@ -58,9 +62,7 @@ def run_both(q, k, v, md, sizes, interpret, layer=1):
     # float32 dots, as the server's float32 programs (at the default, a GPU's are TF32)
     with jax.default_matmul_precision("float32"):
         if interpret == "xla":
-            xla = jax.jit(ragged_paged_attention_xla,
-                          static_argnames=("sm_scale", "max_q_len", "sizes"))
-            got = xla(q, k, v, layer, md._replace(plan=plan), sizes=sizes, **kw)
+            got = xla_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes, **kw)
         else:
             got = ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sizes=sizes,
                                          interpret=interpret, **kw)
@@ -149,9 +151,8 @@ def test_xla_block_steps_of_a_batch_smaller_than_a_q_block_take_its_rows(items):
     got, want = run_both(q, k, v, md, sizes, "xla")
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5)
     plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, page_size=8))
-    program = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale", "max_q_len",
-                                                                   "sizes")).lower(
-        q, k, v, 1, md._replace(plan=plan), sm_scale=0.125, max_q_len=q.shape[0], sizes=sizes)
+    program = xla_attention.lower(q, k, v, 1, md._replace(plan=plan), sm_scale=0.125,
+                                  max_q_len=q.shape[0], sizes=sizes)
     scores = set(re.findall(r"dot_general.*-> tensor<2x(\d+)x16xf32>", program.as_text()))
     assert scores == ({str(2 * rows), "16"} if items else {str(2 * rows)})  # 2 heads a group
 
