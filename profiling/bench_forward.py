@@ -181,16 +181,18 @@ def time_split(engine: Engine, batch, shape, repeats: int, trace_dir: str | None
     return {"traced_wall_s": traced, **split}
 
 
-def v6e_estimate(engine: Engine, entries, labels, with_lse: bool) -> dict:
+def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entries, labels,
+                 with_lse: bool) -> dict:
     """The same batch on a v6e chip in bfloat16 (a model: no TPU ran it): the estimate from the
-    compiled program's schedule, its levels, and the roofline of its work at v6e's blocks."""
-    cfg, engine_cfg = engine.cfg, dataclasses.replace(engine.engine_cfg, dtype="bfloat16")
+    compiled program's schedule, its levels, and the roofline of its work at v6e's blocks.
+    `params`: arrays or shapes, whose sizes count the weights read."""
+    engine_cfg = dataclasses.replace(engine_cfg, dtype="bfloat16")
     built = v6e_batch(cfg, engine_cfg, entries, labels)
     _, batch, sizes = built
     estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
-    bound = roofline(*work(cfg, engine.runner.params, batch, tokens, len(labels), sizes,
-                           with_lse, 2, "pallas"), None)["v6e_roofline_s"]
+    bound = roofline(*work(cfg, params, batch, tokens, len(labels), sizes, with_lse, 2,
+                           "pallas"), None)["v6e_roofline_s"]
     return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound,
             "fraction_of_roofline": bound / estimate["v6e_estimate_s"],
             "block_sizes": estimate["block_sizes"], "levels": estimate["levels"],
@@ -240,7 +242,8 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
                                       runner.sizes, with_lse, itemsize, runner.backend),
                                 seconds),
-                     "v6e_estimate": v6e_estimate(engine, entries, labels, with_lse)
+                     "v6e_estimate": v6e_estimate(cfg, engine.engine_cfg, runner.params,
+                                                  entries, labels, with_lse)
                      if estimate else None})
     return {"model": cfg.family, "layers": cfg.num_layers,
             "dtype": engine.engine_cfg.dtype, "kernel_backend": runner.backend,

@@ -56,10 +56,9 @@ def test_bench_attention_reports_work_and_time(backend):
 
 def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
     from profiling.bench_label_gather import MODES, run
-    result = run([3000, 5000], [1, 16], hidden=64, labels=2, repeats=1,
-                 trace_dir=str(tmp_path), estimate=True)
-    assert [(c["vocab"], c["rows"]) for c in result["cases"]] == [
-        (3000, 1), (3000, 16), (5000, 1), (5000, 16)]
+    result = run([3000], [1, 16], hidden=64, labels=2, repeats=1, trace_dir=str(tmp_path),
+                 estimate=True)
+    assert [(c["vocab"], c["rows"]) for c in result["cases"]] == [(3000, 1), (3000, 16)]
     for case in result["cases"]:
         rows, vocab, modes = case["rows"], case["vocab"], case["modes"]
         assert set(modes) == set(MODES)
@@ -72,7 +71,7 @@ def test_bench_label_gather_reports_work_roofline_and_time(tmp_path):
             assert row["measured_s"] > 0 and 0 < row["v6e_fraction"] < 1
         for mode in ("labels_only", "streamed_logsumexp"):  # the model, never under HBM
             assert modes[mode]["estimate_over_roofline"] >= 0.99
-    assert len(list(tmp_path.rglob("*.xplane.pb"))) == 4 * len(MODES)  # a trace per measurement
+    assert len(list(tmp_path.rglob("*.xplane.pb"))) == 2 * len(MODES)  # a trace per measurement
 
 
 def test_op_time_reads_named_ops_from_a_profiler_trace(tmp_path):
@@ -128,7 +127,7 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
     out, traces = tmp_path / "forward.json", tmp_path / "traces"
     subprocess.run([sys.executable, "-m", "profiling.bench_forward", "--model-path",
                     model_dirs["llama"], "--max-prefill-tokens", "64", "--repeats", "1",
-                    "--buckets", "16,64",
+                    "--buckets", "16,64", "--noestimate",  # v6e_estimate: test_tpu_schedule
                     "--reference-matmul", "256", "--trace-dir", str(traces), "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
@@ -137,7 +136,7 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
     assert all(1 < r["tokens"] <= r["bucket"] and r["rows"] >= 1 for r in rows)
     assert all(r["measured_s"] > 0 and r["v6e_roofline_s"] > 0 for r in rows)
     assert rows[-1]["flops"] > rows[0]["flops"]
-    assert all(r["matmul_flops_per_s"] > 0 for r in result["buckets"])
+    assert all(r["matmul_flops_per_s"] > 0 and r["v6e_estimate"] is None for r in rows)
     for r in rows:
         assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
         # one round: its multiple is the medians' multiple
@@ -299,8 +298,10 @@ def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp
 
 
 @pytest.mark.parametrize("study, args", [
-    ("bench_attention", ["--shapes", "mis_120q_10x18", "--q-block", "64", "--kv-block", "64"]),
-    ("bench_label_gather", ["--vocabs", "3000", "--rows", "1,8", "--hidden", "64"])])
+    ("bench_attention", ["--shapes", "mis_120q_10x18", "--q-block", "64", "--kv-block", "64",
+                         "--noestimate"]),
+    ("bench_label_gather", ["--vocabs", "3000", "--rows", "1,8", "--hidden", "64",
+                            "--noestimate"])])
 def test_kernel_study_clis_write_json_and_traces(study, args, tmp_path):
     out, traces = tmp_path / "result.json", tmp_path / "traces"
     done = subprocess.run([sys.executable, "-m", f"profiling.{study}", *args, "--repeats", "1",

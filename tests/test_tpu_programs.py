@@ -2,9 +2,11 @@
 topologies, abstract weights), and the KV pool updated in place on every backend.
 
 Each program is built by runtime.forward_programs.server_programs, as the Engine builds its
-replicas' programs. Cost on 2 cores: the embedded model's whole bucket set (29 programs at the
-server's default budgets) is about 5 minutes; every other configuration compiles one bucket,
-or the largest where memory is the question.
+replicas' programs. Cost on 2 cores: a v6e program takes 3 s (16 tokens) to 21 s (6144) to
+compile, the embedded model's 29 buckets 5 minutes (`python -m profiling.bench_tpu_compile`
+compiles any of them); so the embedded model compiles one bucket of each kind of kernel
+operand shapes, and every other configuration one bucket, or the largest where memory is
+the question.
 """
 import functools
 
@@ -37,21 +39,35 @@ def assert_in_place(programs, compiled) -> None:
     assert memory["temp"] < programs.pool_bytes // 10, memory
 
 
-def test_every_server_program_of_the_embedded_model_compiles_for_v6e():
-    """All of them: every token bucket of the default budgets."""
+def shape_kinds(shapes: list, q_block: int) -> list:
+    """The first bucket of each kind: a kind is how the kernels' operands sit against their
+    blocks (tokens below the q block, a multiple of it, or neither) and against the budgets
+    (sequences and scored rows as many as the tokens, or capped)."""
+    def kind(s):
+        return (s.tokens < q_block, s.tokens % q_block == 0, s.seqs == s.tokens,
+                s.rows == s.tokens)
+    return sorted({kind(s): s for s in reversed(shapes)}.values(), key=lambda s: s.tokens)
+
+
+def test_server_programs_of_the_embedded_model_compile_for_v6e():
+    """A bucket of each kind of the 29 at the default budgets. The largest bucket (8192
+    tokens) compiles in test_default_pool_fits_a_32_gib_v6e, for a larger model."""
     programs = server_programs(EngineConfig(dtype="bfloat16"), load_config(None),
                                v6e_devices(1), POOL_PAGES)
     assert programs.backend == "pallas"
-    programs.warm_up(threads=2)
-    shapes = programs.buckets.all_shapes()
-    assert programs.compile_count == len(shapes) == 29
+    all_shapes = programs.buckets.all_shapes()
+    shapes = shape_kinds(all_shapes, programs.buckets.sizes.q_block)
+    assert len(all_shapes) == 29
+    assert [s.tokens for s in shapes] == [16, 96, 256, 320, 512]
+    programs.warm_up(threads=2, shapes=shapes)
+    assert programs.compile_count == len(shapes)
     for shape in shapes:
         compiled = programs.get(shape)
         assert mosaic_kernels(compiled) == KERNELS, shape
         assert_in_place(programs, compiled)
 
 
-# TP 1 of Qwen3-0.6B and Llama-3.2-1B: their largest programs, in the test after this one.
+# TP 1 of Qwen3-0.6B: its largest program, in the test after this one.
 TENSOR_PARALLEL = [("SmolLM2-135M", 3), ("Qwen3-0.6B", 4), ("Qwen2.5-0.5B", 1),
                    ("Qwen2.5-0.5B", 2), ("Llama-3.2-1B", 4)]  # Qwen2.5's 14 heads: no TP 4
 
@@ -71,11 +87,12 @@ def test_sized_model_programs_compile_for_v6e(model, tp):
             EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES).pool_bytes
 
 
-@pytest.mark.parametrize("model", ["Qwen3-0.6B", "Llama-3.2-1B"])
-def test_default_pool_fits_a_32_gib_v6e(model):
+def test_default_pool_fits_a_32_gib_v6e():
     """The pool the server sizes for one v6e chip (default --mem-fraction 0.8), beside the
-    weights and the largest program's temp, all read from compiled programs."""
-    cfg, engine_cfg, chip = SIZED_MODELS[model], EngineConfig(dtype="bfloat16"), v6e_devices(1)
+    weights and the largest program's temp, all read from compiled programs: Qwen3-0.6B, the
+    rerankers' size (each model costs two compiles of its largest program, 25 s each)."""
+    cfg, engine_cfg = SIZED_MODELS["Qwen3-0.6B"], EngineConfig(dtype="bfloat16")
+    chip = v6e_devices(1)
     programs_with = functools.partial(server_programs, engine_cfg, cfg, chip)
     pages = kv_pool_pages(engine_cfg, programs_with, DeviceMemory(V6E_HBM_BYTES))
     programs = programs_with(pages)

@@ -194,24 +194,31 @@ def test_a_programs_layer_loop_runs_its_trips():
 
 
 def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
-    """The embedded model's program for a bucket of SGLang-shaped sequences: its layer level
-    runs once per layer and calls the attention and KV-write kernels, priced at the batch's
-    real steps; the estimate is above the roofline of the work."""
+    """The embedded model's program for a bucket of SGLang-shaped sequences, as bench_forward
+    estimates it: its layer level runs once per layer and calls the attention and KV-write
+    kernels, priced at the batch's real steps; the estimate is above the roofline of the
+    work."""
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    from profiling.bench_forward import fill
-    from profiling.forward_estimate import forward_estimate
+    from model.params import param_shapes
+    from profiling.bench_forward import fill, v6e_estimate
     from profiling.tpu_compile import SIZED_MODELS
     from runtime.batch_builder import ScheduledSeq
     from runtime.buckets import pages_needed
     from runtime.engine_config import EngineConfig
     cfg = SIZED_MODELS["SmolLM2-135M"]
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     seqs = fill(128, 64, 256, cfg.vocab_size, np.random.default_rng(0))
     entries = [ScheduledSeq(seq, list(range(64 * i, 64 * i + pages_needed(len(seq.tokens), 16))))
                for i, seq in enumerate(seqs)]
     labels = [[1, 2]] * sum(len(seq.score_rows) for seq in seqs)
-    est = forward_estimate(cfg, EngineConfig(dtype="bfloat16", max_prefill_tokens=2048), entries,
-                           labels, with_lse=True)
+    est = v6e_estimate(cfg, EngineConfig(max_prefill_tokens=2048), params, entries, labels,
+                       with_lse=True)
+    assert 0 < est["roofline_s"] < est["seconds"]
+    assert est["fraction_of_roofline"] == pytest.approx(est["roofline_s"] / est["seconds"])
     outside, layer = est["levels"]
     assert (outside["trips"], layer["trips"]) == (1, cfg.num_layers)
     kernels = est["kernels"]
@@ -220,4 +227,4 @@ def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
     assert outside["kernels_s"] == pytest.approx(kernels["gather"]["v6e_estimate_s"])
     assert layer["xla_bundles"] > 0 and layer["xla_hbm_bytes"] > 0
     mlp_weights = 2 * cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
-    assert est["v6e_estimate_s"] > mlp_weights / V6E_HBM_BYTES_PER_S
+    assert est["seconds"] > mlp_weights / V6E_HBM_BYTES_PER_S
