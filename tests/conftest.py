@@ -5,6 +5,8 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from model.config import ModelConfig
+from model.loader import load_config
 from runtime.engine import Engine
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, small_config, write_checkpoint
@@ -84,3 +86,9 @@ def engines(model_dirs) -> dict[str, Engine]:
 @pytest.fixture(scope="session")
 def numpy_models(model_dirs) -> dict[str, NumpyDecoder]:
     return {f: NumpyDecoder(d) for f, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def embedded_config() -> ModelConfig:
+    """The embedded SmolLM2's config: read from its GGUF, which takes 4 s here."""
+    return load_config(None)

@@ -13,7 +13,6 @@ import functools
 import jax
 import pytest
 
-from model.loader import load_config
 from profiling.tpu_compile import (
     SIZED_MODELS,
     V6E_HBM_BYTES,
@@ -49,10 +48,10 @@ def shape_kinds(shapes: list, q_block: int) -> list:
     return sorted({kind(s): s for s in reversed(shapes)}.values(), key=lambda s: s.tokens)
 
 
-def test_server_programs_of_the_embedded_model_compile_for_v6e():
+def test_server_programs_of_the_embedded_model_compile_for_v6e(embedded_config):
     """A bucket of each kind of the 29 at the default budgets. The largest bucket (8192
     tokens) compiles in test_default_pool_fits_a_32_gib_v6e, for a larger model."""
-    programs = server_programs(EngineConfig(dtype="bfloat16"), load_config(None),
+    programs = server_programs(EngineConfig(dtype="bfloat16"), embedded_config,
                                v6e_devices(1), POOL_PAGES)
     assert programs.backend == "pallas"
     all_shapes = programs.buckets.all_shapes()
@@ -113,8 +112,8 @@ def test_a_pool_that_cannot_hold_one_batch_is_refused():
 
 
 @pytest.mark.parametrize("backend, tp", [("xla", 1), ("xla", 3), ("reference", 1)])
-def test_cpu_programs_update_the_pool_in_place(backend, tp):
+def test_cpu_programs_update_the_pool_in_place(backend, tp, embedded_config):
     """The same rule off TPU: temp does not grow with the pool."""
     engine_cfg = EngineConfig(kernel_backend=backend, tp_size=tp, max_prefill_tokens=512)
-    programs = server_programs(engine_cfg, load_config(None), jax.devices()[:tp], POOL_PAGES)
+    programs = server_programs(engine_cfg, embedded_config, jax.devices()[:tp], POOL_PAGES)
     assert_in_place(programs, programs.get(programs.buckets.shape(512)))

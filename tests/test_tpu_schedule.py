@@ -90,10 +90,10 @@ def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
 
 
 def test_calibration_matmuls_agree_with_the_clock():
-    """The clock constant holds for two of the calibration matmuls: XLA's estimate for the dot
-    and the kernel's bundles at V6E_CLOCK_HZ within 10%."""
+    """The clock constant holds for the first calibration matmul (each takes 10 s to compile
+    twice): XLA's estimate for the dot and the kernel's bundles at V6E_CLOCK_HZ within 10%."""
     from profiling.calibrate_v6e import MATMULS, matmul_rows
-    for row in matmul_rows(MATMULS[:2]):
+    for row in matmul_rows(MATMULS[:1]):
         assert row["bundles"] / V6E_CLOCK_HZ == pytest.approx(row["xla_optimal_s"], rel=0.1)
 
 
