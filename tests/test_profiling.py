@@ -296,7 +296,7 @@ def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp
         assert scope in xplane  # named scopes of the compiled forward
 
 
-@pytest.mark.parametrize("study, args", [
+@pytest.mark.parametrize("study, args", [  # their estimates: the two tests of run() above
     ("bench_attention", ["--shapes", "mis_120q_10x18", "--q-block", "64", "--kv-block", "64",
                          "--noestimate"]),
     ("bench_label_gather", ["--vocabs", "3000", "--rows", "1,8", "--hidden", "64",
