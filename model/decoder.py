@@ -222,14 +222,21 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     return (x.T if feature_major else x), cache
 
 
+def model_kernels(cfg: ModelConfig, backend: str, max_q_len: int,
+                  sizes: BlockSizes | None) -> KernelSet:
+    """The backend's kernels, at `cfg`'s attention scale."""
+    return select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
+                          sizes=sizes)
+
+
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
                   max_q_len: int, backend: str = "reference", sizes: BlockSizes | None = None,
-                  shards: ShardPlan = ShardPlan()):
+                  shards: ShardPlan = ShardPlan(), kernels: KernelSet | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (zeros unless batch.with_logsumexp), and
     the updated cache. With shards.tp > 1, the body of a shard_map
-    (model.sharding.shard_forward)."""
-    kernels = select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
-                             sizes=sizes)
+    (model.sharding.shard_forward). `kernels`: instead of the backend's (a study's stand-ins:
+    profiling.bench_ablation)."""
+    kernels = kernels or model_kernels(cfg, backend, max_q_len, sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,

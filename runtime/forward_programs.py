@@ -19,6 +19,7 @@ from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels.backends import KernelSet
 from model.batch import KVCache
 from model.config import ModelConfig
 from model.decoder import kv_pool_shape, score_forward
@@ -116,10 +117,11 @@ class ForwardPrograms:
         k = self._cache.k
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
-    def lower(self, shape: BatchShape) -> jax.stages.Lowered:
+    def lower(self, shape: BatchShape, kernels: KernelSet | None = None) -> jax.stages.Lowered:
+        """`kernels`: instead of the backend's (profiling.bench_ablation)."""
         forward = functools.partial(
             score_forward, cfg=self.cfg, max_q_len=shape.tokens, backend=self.backend,
-            sizes=self.buckets.sizes, shards=self.shards)
+            sizes=self.buckets.sizes, shards=self.shards, kernels=kernels)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
         batch = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
                             self.buckets.sizes)

@@ -151,6 +151,31 @@ def test_bench_forward_cli_times_the_buckets_asked_and_traces(model_dirs, tmp_pa
         f"bucket_{b}" for b in sorted(["16", "64"])]
 
 
+def test_bench_ablation_replaces_only_the_part_it_names(model_dirs, tmp_path):
+    out = tmp_path / "ablation.json"
+    subprocess.run([sys.executable, "-m", "profiling.bench_ablation", "--model-path",
+                    model_dirs["llama"], "--max-prefill-tokens", "64", "--buckets", "64",
+                    "--rounds", "2", "--reference-matmul", "256", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    [row] = json.loads(out.read_text())["buckets"]
+    assert row["bucket"] == 64 and 1 < row["tokens"] <= 64 and row["rows"] >= 1
+    variants = row["variants"]
+    assert list(variants) == ["full", "without_attention", "without_label_gather",
+                              "kv_write_twice", "bare"]
+    assert variants["full"]["vs_full"] == 1.0
+    assert all(v["seconds"] > 0 and v["vs_full"] > 0 for v in variants.values())
+    assert row["full_vs_dense"] == pytest.approx(
+        variants["full"]["seconds"] / row["dense_matmul_s"])
+    ops = {name: v["ops"] for name, v in variants.items()}
+    # each stand-in drops its own dots; the second write keeps every dot, adds its scatters
+    attention, gather = (ops["full"]["dot"] - ops[f"without_{p}"]["dot"]
+                         for p in ("attention", "label_gather"))
+    assert attention > 0 and gather > 0
+    assert ops["bare"]["dot"] == ops["full"]["dot"] - attention - gather
+    assert ops["kv_write_twice"]["dot"] == ops["full"]["dot"]
+    assert ops["kv_write_twice"]["scatter"] > ops["full"]["scatter"] > 0
+
+
 def test_the_forwards_attention_work_counts_the_rows_the_xla_block_steps_take(embedded_config):
     """16 tokens, CPU's q blocks of 128: the XLA loop's block step takes the batch's 16 rows
     a head, the Pallas kernel's a whole q block, and the work counts each one's."""
