@@ -236,7 +236,8 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
     the updated cache. With shards.tp > 1, the body of a shard_map
     (model.sharding.shard_forward). `kernels`: instead of the backend's (a study's stand-ins:
     profiling.bench_ablation)."""
-    kernels = kernels or model_kernels(cfg, backend, max_q_len, sizes)
+    if kernels is None:
+        kernels = model_kernels(cfg, backend, max_q_len, sizes)
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,

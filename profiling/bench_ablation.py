@@ -28,16 +28,18 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from model.decoder import model_kernels
-from profiling.bench_forward import dense_flops, reference_matmul, schedule
+from profiling.bench_forward import (
+    bucket_batch,
+    dense_flops,
+    reference_matmul,
+    study_engine,
+)
 from profiling.timing import interleaved_rounds, write_json
-from runtime.batch_builder import build_batch
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
-from runtime.engine_config import EngineConfig
 from runtime.model_runner import ModelRunner
 
 FLAGS = flags.FLAGS
@@ -127,9 +129,7 @@ def run(engine: Engine, buckets: list[int], rounds: int, matmul_n: int = 4096) -
     matmul, matmul_flops = reference_matmul(matmul_n)
     chain, calls, cases = PoolChain(runner), [], []
     for bucket in buckets:
-        entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
-        batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                            runner.sizes, True)
+        entries, labels, shape, batch = bucket_batch(engine, bucket, True)
         programs = compile_variants(runner, shape)
         calls += [(functools.partial(chain.call, p, batch), ()) for p in programs.values()]
         calls.append(matmul)
@@ -145,10 +145,7 @@ def run(engine: Engine, buckets: list[int], rounds: int, matmul_n: int = 4096) -
 
 def main(argv) -> None:
     del argv
-    budget = FLAGS.max_prefill_tokens
-    engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-        dtype=FLAGS.dtype, max_prefill_tokens=budget, max_seqs=min(64, budget),
-        max_rows=min(256, budget), prefix_cache=False, warmup=False))
+    engine = study_engine(FLAGS.model_path, FLAGS.dtype, FLAGS.max_prefill_tokens)
     result = run(engine, [int(b) for b in FLAGS.buckets], FLAGS.rounds, FLAGS.reference_matmul)
     engine.close()
     print(f"{result['model']} {result['dtype']} on {result['device']} "

@@ -107,6 +107,25 @@ def schedule(engine: Engine, bucket: int, rng):
     return entries, labels, shape
 
 
+def study_engine(model_path: str | None, dtype: str, budget: int,
+                 kv_cache_tokens: int = 0) -> Engine:
+    """The engine the forward studies time: `budget` tokens a forward, as many sequences and
+    rows as its buckets allow, no prefix cache, programs compiled when first run."""
+    return Engine.from_path(model_path, EngineConfig(
+        dtype=dtype, max_prefill_tokens=budget, max_seqs=min(64, budget),
+        max_rows=min(256, budget), kv_cache_tokens=kv_cache_tokens, prefix_cache=False,
+        warmup=False))
+
+
+def bucket_batch(engine: Engine, bucket: int, with_lse: bool):
+    """schedule()'s entries, labels and shape for a full `bucket`, and their batch."""
+    runner = engine.runner
+    entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
+    return entries, labels, shape, build_batch(
+        entries, labels, shape, runner.buckets.page_size, runner.num_pages, runner.sizes,
+        with_lse)
+
+
 def layer_flops(cfg: ModelConfig, tokens: int) -> int:
     """One layer's projections and MLP over `tokens` tokens."""
     h, qd, kvd = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -215,12 +234,7 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
     runner, rows, cfg = engine.runner, [], engine.cfg
     itemsize = np.dtype(engine.engine_cfg.dtype).itemsize
     matmul, matmul_flops = reference_matmul(matmul_n)
-    batches = []
-    for bucket in buckets:
-        entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
-        batches.append((entries, labels, shape, build_batch(
-            entries, labels, shape, runner.buckets.page_size, runner.num_pages, runner.sizes,
-            with_lse)))
+    batches = [bucket_batch(engine, bucket, with_lse) for bucket in buckets]
     timed = timed_rounds(runner, batches, matmul, repeats)
     for bucket, (entries, labels, shape, batch), rounds in zip(buckets, batches, timed):
         seconds, matmul_s = map(statistics.median, rounds)
@@ -257,10 +271,7 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
 def main(argv) -> None:
     del argv
     budget = FLAGS.max_prefill_tokens
-    engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-        dtype=FLAGS.dtype, max_prefill_tokens=budget, max_seqs=min(64, budget),
-        max_rows=min(256, budget), kv_cache_tokens=FLAGS.kv_cache_tokens, prefix_cache=False,
-        warmup=False))
+    engine = study_engine(FLAGS.model_path, FLAGS.dtype, budget, FLAGS.kv_cache_tokens)
     buckets = [int(b) for b in FLAGS.buckets] or list(engine.runner.buckets.token_sizes())
     result = run(engine, buckets, FLAGS.with_logsumexp, FLAGS.repeats, FLAGS.trace_dir,
                  FLAGS.estimate, FLAGS.reference_matmul)

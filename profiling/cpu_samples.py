@@ -27,15 +27,12 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 
-from profiling.bench_forward import dense_flops, reference_matmul, schedule
+from profiling.bench_forward import bucket_batch, dense_flops, reference_matmul, study_engine
 from profiling.timing import wall_time, write_json
-from runtime.batch_builder import build_batch
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
-from runtime.engine_config import EngineConfig
 
 FLAGS = flags.FLAGS
 CLASSES = ("gemm kernel", "gemm packing", "xla kernels", "thread pool", "os kernel", "other")
@@ -111,9 +108,7 @@ def run(engine: Engine, buckets: list[int], seconds: float, matmul_n: int = 4096
     runner, rows = engine.runner, []
     matmul, matmul_flops = reference_matmul(matmul_n)
     for bucket in buckets:
-        entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
-        batch = build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                            runner.sizes, with_logsumexp=True)
+        entries, labels, shape, batch = bucket_batch(engine, bucket, True)
         forward = lambda: runner.run(batch, shape)  # noqa: E731
         jax.block_until_ready(forward())  # compiles
         rate_before = matmul_flops / wall_time(*matmul, repeats=5)
@@ -134,9 +129,7 @@ def run(engine: Engine, buckets: list[int], seconds: float, matmul_n: int = 4096
 def main(argv) -> None:
     del argv
     budget = FLAGS.max_prefill_tokens
-    engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-        dtype="float32", max_prefill_tokens=budget, max_seqs=min(64, budget),
-        max_rows=min(256, budget), prefix_cache=False, warmup=False))
+    engine = study_engine(FLAGS.model_path, "float32", budget)
     result = run(engine, [int(b) for b in FLAGS.buckets], FLAGS.seconds, FLAGS.reference_matmul)
     engine.close()
     print(f"{result['model']} float32 on {result['device']}; shares of perf's samples "
