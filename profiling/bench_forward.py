@@ -221,7 +221,7 @@ def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entri
 def timed_rounds(runner, batches: list, matmul, repeats: int) -> list:
     """(forward seconds, matmul seconds) per round for each batch: every round runs each
     bucket's forward followed by the matmul, bucket after bucket, so that a slow spell of this
-    shared machine (seconds long: README, "Forward per bucket") falls on one round of several
+    shared machine (seconds long: docs/cpu_forward_log.md) falls on one round of several
     buckets rather than on every round of one."""
     calls = [call for _, _, shape, batch in batches for call in (
         (functools.partial(runner.run, batch, shape), ()), matmul)]

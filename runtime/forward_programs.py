@@ -44,7 +44,7 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event
 # XLA options of the forward by platform, set per program so that other programs of the
 # process keep the defaults. On CPU, XLA hands dots to YNNPACK by default; its own (Eigen) dots
 # run the attention loop's small batched matmuls ([3, 192, 64] x [3, 64, 128]) 1.5x faster
-# and the layers' matmuls no slower (README, "Forward per bucket").
+# and the layers' matmuls no slower (docs/cpu_forward_log.md).
 COMPILER_OPTIONS = {"cpu": {"xla_cpu_experimental_ynn_fusion_type": ""}}
 
 
