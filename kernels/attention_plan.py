@@ -117,33 +117,101 @@ def real_q_blocks(plan: AttentionPlan) -> int:
     return len(np.unique(np.asarray(plan.step_block)[real]))
 
 
-def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_block: int):
-    """KV block indices some row (kv position `pos`, visible-from `vis`) can see: `sees` on
-    intervals. A row sees [0, min(L, pos + 1)) and [vis, pos]."""
-    p_max, a_min = int(pos.max()), int(vis.min())
-    blocks = set(range(a_min // kv_block, p_max // kv_block + 1))
-    shared_end = min(shared_len, p_max + 1)
-    if shared_end > 0:
-        blocks |= set(range((shared_end - 1) // kv_block + 1))
-    return sorted(blocks)
-
-
-def _token_rows(cu_q_lens, kv_lens, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def _token_rows(cu: np.ndarray, kv_lens: np.ndarray,
+                n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(KV position, sequence) of each packed token; -1 for padding tokens."""
-    pos, seq = np.full(n_tokens, -1, np.int32), np.full(n_tokens, -1, np.int32)
-    for s in range(len(kv_lens)):
-        lo, hi = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
-        pos[lo:hi] = kv_lens[s] - (hi - lo) + np.arange(hi - lo)
-        seq[lo:hi] = s
-    return pos, seq
+    t = np.arange(n_tokens)
+    real = t < cu[-1]
+    seq = np.where(real, np.searchsorted(cu, t, side="right") - 1, -1)
+    s = np.maximum(seq, 0)
+    pos = np.where(real, kv_lens[s] - cu[s + 1] + t, -1)
+    return pos.astype(np.int32), seq.astype(np.int32)
 
 
-def _segments(lo: int, hi: int, q_block: int):
-    """Tokens [lo, hi) cut where q blocks start: (block, start, end) pieces."""
-    while lo < hi:
-        end = min(hi, (lo // q_block + 1) * q_block)
-        yield lo // q_block, lo, end
-        lo = end
+def _segments(seq: np.ndarray, q_block: int) -> np.ndarray:
+    """First token of each (q block, sequence) segment of the real tokens `seq`."""
+    t = np.arange(len(seq))
+    new = np.ones(len(seq), bool)
+    new[1:] = (t[1:] // q_block != t[:-1] // q_block) | (seq[1:] != seq[:-1])
+    return np.flatnonzero(new)
+
+
+def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ranges [start, start + count), concatenated: (range index, value) per element."""
+    which = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return which, starts[which] + offset
+
+
+def kv_splits(pos, vis, seq, shared_lens, kv_lens, sizes: BlockSizes) -> np.ndarray:
+    """Where each sequence's block steps stop: its query's L if item steps can take the
+    positions past it, each row seeing at most item_kv_block of them, and they lie past the
+    KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
+    past_query = np.zeros(len(kv_lens), np.int64)
+    np.maximum.at(past_query, seq, pos - np.maximum(vis, shared_lens[seq]) + 1)
+    query_blocks_end = -(-shared_lens // sizes.kv_block) * sizes.kv_block
+    items = ((sizes.item_q_block > 0) & (shared_lens > 0)
+             & (past_query <= sizes.item_kv_block) & (kv_lens > query_blocks_end))
+    return np.where(items, shared_lens, kv_lens).astype(np.int32)
+
+
+def _kv_block_steps(pos, vis, seq, shared_lens, splits, sizes: BlockSizes) -> np.ndarray:
+    """[steps, 3] (q block, sequence, KV block): per segment, the KV blocks some row sees
+    (the rule `sees` on intervals: a row sees [0, min(L, pos + 1)) and [vis, pos]) that lie
+    below its sequence's split, ascending."""
+    first = _segments(seq, sizes.q_block)
+    s, kvb = seq[first], sizes.kv_block
+    p_max, a_min = np.maximum.reduceat(pos, first), np.minimum.reduceat(vis, first)
+    shared_end = -(-np.minimum(shared_lens[s], p_max + 1) // kvb)  # blocks [0, shared_end)
+    lo, hi = a_min // kvb, p_max // kvb + 1                         # and [lo, hi)
+    merged = lo <= shared_end
+    limit = -(-splits[s] // kvb)
+    starts = np.stack([np.zeros_like(lo), lo], 1).ravel()
+    ends = np.stack([np.where(merged, np.maximum(shared_end, hi), shared_end),
+                     np.where(merged, lo, hi)], 1).ravel()
+    counts = np.maximum(np.minimum(ends, np.repeat(limit, 2)) - starts, 0)
+    which, kv = _expand(starts, counts)
+    segment = which // 2
+    return np.stack([first[segment] // sizes.q_block, s[segment], kv], 1)
+
+
+def _item_window_steps(pos, vis, seq, splits, sizes: BlockSizes, page_size: int) -> np.ndarray:
+    """[steps, 3] (item q block, sequence, window start): per segment of item_q_block tokens,
+    windows of item_kv_block positions from the first position past the split some row sees,
+    page-aligned, to the last."""
+    first = _segments(seq, sizes.item_q_block)
+    split = splits[seq]
+    past = pos >= split
+    lo = np.minimum.reduceat(np.where(past, np.maximum(vis, split), np.iinfo(np.int32).max),
+                             first)
+    hi = np.maximum.reduceat(np.where(past, pos, -1), first)
+    lo = lo // page_size * page_size
+    counts = np.where(hi >= 0, -(-(hi + 1 - lo) // sizes.item_kv_block), 0)
+    which, k = _expand(np.zeros_like(lo), counts)
+    return np.stack([first[which] // sizes.item_q_block, seq[first[which]],
+                     lo[which] + k * sizes.item_kv_block], 1)
+
+
+def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
+               max_steps: int | None = None, *, page_size: int = 0,
+               max_item_steps: int | None = None) -> AttentionPlan:
+    """Pads the steps to `max_steps` and the item steps to `max_item_steps` (None: no
+    padding). Item steps, where `sizes` has them, need the `page_size`. Array operations
+    throughout: its cost follows the tokens and steps, with no Python loop over them."""
+    if sizes.item_q_block:
+        sizes.check(page_size)
+    cu, kv_lens, shared_lens, visible_from = (np.asarray(x, np.int64) for x in (
+        cu_q_lens, kv_lens, shared_lens, visible_from))
+    pos, seq = _token_rows(cu, kv_lens, len(visible_from))
+    n = int(cu[-1])
+    real = (pos[:n].astype(np.int64), visible_from[:n], seq[:n])
+    splits = kv_splits(*real, shared_lens, kv_lens, sizes)
+    steps = _kv_block_steps(*real, shared_lens, splits, sizes) if n else np.zeros((0, 3))
+    plan = _block_steps(pos, seq, steps, max_steps)
+    if not sizes.item_q_block:
+        return plan
+    items = _item_window_steps(*real, splits, sizes, page_size) if n else np.zeros((0, 3))
+    return plan._replace(kv_split=splits, items=_item_steps(items, max_item_steps))
 
 
 def _block_flags(blocks: np.ndarray) -> np.ndarray:
@@ -152,63 +220,11 @@ def _block_flags(blocks: np.ndarray) -> np.ndarray:
     return (FIRST * first | LAST * last).astype(np.int32)
 
 
-def kv_split(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_len: int,
-             sizes: BlockSizes) -> int:
-    """Where a sequence's block steps stop (its rows `pos`, `vis`): the query's L if item
-    steps can take the positions past it, each row seeing at most item_kv_block of them, and
-    they lie past the KV block the query ends in (a block the item rows visit anyway); else
-    kv_len."""
-    past_query = pos - np.maximum(vis, shared_len) + 1
-    short = past_query.max(initial=0) <= sizes.item_kv_block
-    beyond_query_block = kv_len > -(-shared_len // sizes.kv_block) * sizes.kv_block
-    items = sizes.item_q_block and shared_len > 0 and short and beyond_query_block
-    return shared_len if items else kv_len
-
-
-def item_windows(pos: np.ndarray, vis: np.ndarray, split: int, sizes: BlockSizes,
-                 page_size: int) -> list[int]:
-    """First KV positions of the windows a segment's item steps visit: from the first
-    position past `split` some row sees, page-aligned, to the last."""
-    rows = pos >= split
-    if not rows.any():
-        return []
-    first = int(np.maximum(vis[rows], split).min()) // page_size * page_size
-    return list(range(first, int(pos[rows].max()) + 1, sizes.item_kv_block))
-
-
-def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
-               max_steps: int | None = None, *, page_size: int = 0,
-               max_item_steps: int | None = None) -> AttentionPlan:
-    """Pads the steps to `max_steps` and the item steps to `max_item_steps` (None: no
-    padding). Item steps, where `sizes` has them, need the `page_size`."""
-    if sizes.item_q_block:
-        sizes.check(page_size)
-    cu, kv_lens, visible_from = map(np.asarray, (cu_q_lens, kv_lens, visible_from))
-    pos, seq = _token_rows(cu, kv_lens, len(visible_from))
-    steps, item_steps, splits = [], [], []
-    for s in range(len(kv_lens)):
-        lo, hi, shared = int(cu[s]), int(cu[s + 1]), int(shared_lens[s])
-        split = kv_split(pos[lo:hi], visible_from[lo:hi], shared, int(kv_lens[s]), sizes)
-        splits.append(split)
-        for block, a, b in _segments(lo, hi, sizes.q_block):
-            kv = needed_kv_blocks(pos[a:b], visible_from[a:b], shared, sizes.kv_block)
-            steps += [(block, s, k) for k in kv if k * sizes.kv_block < split]
-        if split < kv_lens[s]:
-            for block, a, b in _segments(lo, hi, sizes.item_q_block):
-                starts = item_windows(pos[a:b], visible_from[a:b], split, sizes, page_size)
-                item_steps += [(block, s, start) for start in starts]
-    plan = _block_steps(pos, seq, steps, max_steps)
-    if not sizes.item_q_block:
-        return plan
-    return plan._replace(kv_split=np.array(splits, np.int32),
-                         items=_item_steps(item_steps, max_item_steps))
-
-
-def _block_steps(pos, seq, steps: list, max_steps: int | None) -> AttentionPlan:
+def _block_steps(pos, seq, steps: np.ndarray, max_steps: int | None) -> AttentionPlan:
     n_real = len(steps)
     n_steps = _padded_size(n_real, max_steps, "steps")
-    table = np.array(steps or [(0, 0, 0)], np.int32).reshape(-1, 3)
-    flags = _block_flags(table[:, 0]) if steps else np.array([NOOP], np.int32)
+    table = np.asarray(steps if n_real else [(0, 0, 0)], np.int32).reshape(-1, 3)
+    flags = _block_flags(table[:, 0]) if n_real else np.array([NOOP], np.int32)
     pad = n_steps - len(table)
     table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
     flags = np.concatenate([flags, np.full(pad, NOOP, np.int32)])
@@ -217,8 +233,8 @@ def _block_steps(pos, seq, steps: list, max_steps: int | None) -> AttentionPlan:
                          num_steps=np.int32(max(n_real, 1)))
 
 
-def _item_steps(steps: list, max_steps: int | None) -> ItemSteps:
-    table = np.array(steps or [(0, 0, 0)], np.int32).reshape(-1, 3)
+def _item_steps(steps: np.ndarray, max_steps: int | None) -> ItemSteps:
+    table = np.asarray(steps if len(steps) else [(0, 0, 0)], np.int32).reshape(-1, 3)
     pad = _padded_size(len(steps), max_steps, "item steps") - len(table)
     table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
     return ItemSteps(block=table[:, 0], seq=table[:, 1], start=table[:, 2],

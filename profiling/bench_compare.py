@@ -21,16 +21,10 @@ Scores of the first request are compared: the max absolute difference, and that 
 largest score. The server and HuggingFace never run at the same time.
 """
 import asyncio
-import collections
-import contextlib
 import os
 import platform
 import re
-import shlex
 import statistics
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
@@ -38,6 +32,7 @@ from absl import app, flags
 
 from profiling.bench_engine import workload
 from profiling.score_client import ConnectionPool
+from profiling.server_process import running_server
 from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
 
@@ -46,8 +41,6 @@ BASE = {"query_tokens": 120, "num_items": 10, "item_tokens": 18, "num_labels": 2
 SHAPES = {"base": {}, **{f"query_{n}": {"query_tokens": n} for n in (50, 200, 1000)},
           **{f"items_{n}": {"num_items": n} for n in (4, 16, 64)},
           **{f"labels_{n}": {"num_labels": n} for n in (8, 32)}}
-_SERVING = re.compile(r"serving .* on (http://[\w.\-]+:\d+)")
-_DEVICES = re.compile(r"replicas: (\d+ of \d+ .* device\(s\))")
 
 
 def define_flags() -> None:
@@ -70,39 +63,6 @@ def shape_requests(vocab: int, shape: dict, requests: int) -> list:
     s = {**BASE, **shape}
     return workload(vocab, s["query_tokens"], s["item_tokens"], s["num_items"], s["num_labels"],
                     requests + 1, requests + 1)
-
-
-def _drain(stream) -> None:
-    for _ in stream:
-        pass
-
-
-@contextlib.contextmanager
-def running_server(model_path: str | None, extra_args: str):
-    """`python -m server` on a free port; yields, once it serves, its URL, its devices and the
-    seconds it took to start. Its log until then is echoed to stderr."""
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--noaccess_log",
-           *(["--model-path", model_path] if model_path else []), *shlex.split(extra_args)]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        log, devices = collections.deque(maxlen=20), None
-        for line in proc.stderr:
-            log.append(line)
-            sys.stderr.write(line)
-            if found := _DEVICES.search(line):
-                devices = found.group(1)
-            if match := _SERVING.search(line):
-                break
-        else:
-            raise RuntimeError(f"the server exited with {proc.wait()} before serving:\n"
-                               + "".join(log))
-        # Its later log lines must be read, or a full pipe would stall the server.
-        threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
-        yield match.group(1), devices, time.perf_counter() - start
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 async def _score(pool: ConnectionPool, req) -> list:
@@ -179,7 +139,8 @@ def run(model_path: str | None, shapes: list[str], requests: int, clients: int, 
     if unknown:
         raise ValueError(f"unknown shapes {sorted(unknown)}; known: {list(SHAPES)}")
     rows, ours, reqs = {}, {}, {}
-    with running_server(model_path, f"--dtype {dtype} {server_args}") as (url, devices, start_s):
+    with running_server(model_path, f"--dtype {dtype} {server_args}") as served:
+        url, devices, start_s = served.url, served.devices, served.start_s
         vocab = asyncio.run(server_vocab(url))
         for name in shapes:
             reqs[name] = shape_requests(vocab, SHAPES[name], requests)

@@ -25,7 +25,9 @@ class ConnectionPool:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def request(self, method: str, path: str, payload=None) -> Answer:
-        body = b"" if payload is None else json.dumps(payload).encode()
+        """`payload`: JSON-able, or the body's bytes."""
+        body = (b"" if payload is None else payload if isinstance(payload, bytes)
+                else json.dumps(payload).encode())
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
         conn = self._idle.pop() if self._idle else await asyncio.open_connection(

@@ -6,6 +6,7 @@ pages, already have K/V in its pages (a prefix-cache hit): only the rest are com
 their K/V fill the following pages whole.
 """
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -39,39 +40,57 @@ def _pad(values, size: int, fill: int = 0) -> np.ndarray:
     return out
 
 
+def _flat(lists) -> np.ndarray:
+    """Lists of ints, concatenated."""
+    return np.fromiter(itertools.chain.from_iterable(lists), np.int32)
+
+
+def _rows(lists, n_rows: int, width: int) -> np.ndarray:
+    """Lists of ints as the leading rows of an [n_rows, width] array, zero-padded."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    if len(lists) > n_rows or lens.max(initial=0) > width:
+        raise ValueError(f"{len(lists)} lists of up to {lens.max(initial=0)} values do not fit "
+                         f"[{n_rows}, {width}]")
+    out = np.zeros((n_rows, width), np.int32)
+    out[:len(lists)][np.arange(width) < lens[:, None]] = _flat(lists)
+    return out
+
+
+def _new(entries: list[ScheduledSeq], field: str) -> np.ndarray:
+    """A per-token field of the sequences' new tokens, packed."""
+    return _flat(getattr(e.seq, field)[e.cached:] for e in entries)
+
+
 def _written_pages(entries: list[ScheduledSeq], offsets: np.ndarray, shape: BatchShape,
                    page_size: int, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """The pages the new tokens fill, and the packed token of each of their rows (a last
     page's rows past its sequence repeat the sequence's last token)."""
-    pages, tokens = [], []
-    for e, first in zip(entries, offsets):
-        if e.cached % page_size:
-            raise ValueError(f"{e.cached} cached tokens are not whole pages of {page_size}")
-        n_pages = -(-e.new_tokens // page_size)
-        start = e.cached // page_size
-        pages += e.pages[start:start + n_pages]
-        rows = np.minimum(np.arange(n_pages * page_size), e.new_tokens - 1)
-        tokens.append(first + rows.reshape(n_pages, page_size))
+    cached = np.fromiter((e.cached for e in entries), np.int64, len(entries))
+    if (cached % page_size).any():
+        raise ValueError(f"{cached[cached % page_size > 0][0]} cached tokens are not whole "
+                         f"pages of {page_size}")
+    new = np.diff(offsets).astype(np.int64)
+    n_pages = -(-new // page_size)
+    first = cached // page_size
+    pages = _flat(e.pages[a:a + n] for e, a, n in zip(entries, first.tolist(), n_pages.tolist()))
+    entry = np.repeat(np.arange(len(entries)), n_pages)
+    nth = np.arange(len(entry)) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
+    rows = nth[:, None] * page_size + np.arange(page_size)
     table = np.zeros((shape.written_pages, page_size), np.int32)
-    if tokens:
-        table[:len(pages)] = np.concatenate(tokens)
+    table[:len(entry)] = offsets[entry][:, None] + np.minimum(rows, new[entry][:, None] - 1)
     return _pad(pages, shape.written_pages, fill=num_pages), table
 
 
 def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
                sizes: BlockSizes | None):
-    lens = [e.new_tokens for e in entries]
+    lens = np.fromiter((e.new_tokens for e in entries), np.int32, len(entries))
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    table = np.zeros((shape.seqs, shape.pages_per_seq), np.int32)
-    for i, e in enumerate(entries):
-        table[i] = _pad(e.pages, shape.pages_per_seq)
     md = AttentionMetadata(
         cu_q_lens=_pad(offsets, shape.seqs + 1, fill=int(offsets[-1])),
         kv_lens=_pad([len(e.seq.tokens) for e in entries], shape.seqs),
-        page_indices=table,
+        page_indices=_rows([e.pages for e in entries], shape.seqs, shape.pages_per_seq),
         shared_lens=_pad([e.seq.shared_len for e in entries], shape.seqs),
-        visible_from=_pad([a for e in entries for a in e.seq.visible_from[e.cached:]],
-                          shape.tokens))
+        visible_from=_pad(_new(entries, "visible_from"), shape.tokens))
     if sizes is None:
         return md, offsets
     plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
@@ -84,21 +103,19 @@ def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape:
                 with_logsumexp: bool = False) -> ForwardBatch:
     """With block `sizes`, the attention metadata carries the block plan."""
     attention, offsets = _attention(entries, shape, page_size, sizes)
-    rows = [offsets[i] + r - e.cached for i, e in enumerate(entries) for r in e.seq.score_rows]
+    rows = _flat([o - e.cached + r for r in e.seq.score_rows]
+                 for o, e in zip(offsets.tolist(), entries))
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
-    labels = np.zeros((shape.rows, shape.labels), np.int32)
-    for i, ids in enumerate(row_labels):
-        labels[i] = _pad(ids, shape.labels)
     kv_pages, kv_page_tokens = _written_pages(entries, offsets, shape, page_size, num_pages)
     return ForwardBatch(
-        tokens=_pad([t for e in entries for t in e.seq.tokens[e.cached:]], shape.tokens),
-        positions=_pad([p for e in entries for p in e.seq.positions[e.cached:]], shape.tokens),
+        tokens=_pad(_new(entries, "tokens"), shape.tokens),
+        positions=_pad(_new(entries, "positions"), shape.tokens),
         kv_pages=kv_pages,
         kv_page_tokens=kv_page_tokens,
         attention=attention,
         score_rows=_pad(rows, shape.rows),
-        label_ids=labels,
+        label_ids=_rows(row_labels, shape.rows, shape.labels),
         num_rows=np.int32(len(rows)),
         num_labels=np.int32(max(map(len, row_labels), default=0)),
         with_logsumexp=np.bool_(with_logsumexp))

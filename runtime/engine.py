@@ -70,8 +70,8 @@ class Engine:
         if engine_cfg.warmup:
             for runner in runners:
                 runner.warm_up()
-        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache, engine_cfg.schedule_policy)
-                           for r in runners]
+        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache, engine_cfg.schedule_policy,
+                                     engine_cfg.pipeline_depth) for r in runners]
         self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
 
     @property
@@ -163,18 +163,21 @@ class Engine:
     def submit(self, req: ScoreRequest) -> concurrent.futures.Future:
         """Queues the request; its future gives a ScoreResult, or raises ScoreError.
         Cancelling the future drops its waiting work. Bad requests raise here."""
+        job, units, key = self.prepare(req)
+        if units:
+            self.schedulers[self.router.pick(key)].submit(job, units)
+        return job.future
+
+    def prepare(self, req: ScoreRequest) -> tuple[Job, list[Unit], bytes | None]:
+        """The request checked, tokenized and packed: its job, the job's units of work (none
+        if it has no items: the job is answered), and the key that routes them. Bad requests
+        raise here."""
         labels = self._labels(req)
         with jax.profiler.TraceAnnotation("tokenize"):
             query, items = self._tokenize(req)
-        if not items:
-            answered = concurrent.futures.Future()
-            answered.set_result(ScoreResult([], 0))
-            return answered
-        parts = self._sequences(req, query, items)
+        parts = self._sequences(req, query, items) if items else []
         job = Job(labels, len(items), len(parts), req.apply_softmax, self.cfg.is_classifier)
-        units = [Unit(job, seq, scored) for seq, scored in parts]
-        self.schedulers[self.router.pick(self._routing_key(req, query))].submit(job, units)
-        return job.future
+        return job, [Unit(job, seq, scored) for seq, scored in parts], self._routing_key(req, query)
 
     def _start_ids(self, req: ScoreRequest) -> list[int]:
         """What the tokenizer puts before a text prompt (e.g. BOS); ids come as they are."""
@@ -215,7 +218,7 @@ class Engine:
     def _sequences(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, list[int]]]:
         """The request's sequences, each with the items it scores. item_first: one causal
         sequence per item; otherwise multi-item sequences of the query and as many items as
-        one forward takes."""
+        one forward and the model's context take."""
         start = self._start_ids(req)
         if req.item_first:
             seqs = [causal_sequence(start + item + query) for item in items]
@@ -225,9 +228,8 @@ class Engine:
         head = start + query
         for k, item in enumerate(items):
             self._prompt_check(len(head) + len(item), k)
-        ec = self.engine_cfg
-        chunks = item_chunks(len(head), [len(i) for i in items], ec.max_prefill_tokens,
-                             ec.max_rows)
+        chunks = item_chunks(len(head), [len(i) for i in items], self.max_prompt_tokens,
+                             self.engine_cfg.max_rows)
         return [(multi_item_sequence(head, [items[k] for k in c]), list(c)) for c in chunks]
 
 

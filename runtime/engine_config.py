@@ -21,6 +21,7 @@ class EngineConfig:
     mem_fraction: float = 0.8       # share of accelerator memory for params, pool and temp
     prefix_cache: bool = True
     schedule_policy: str = "fair"   # or "fcfs": the order waiting units take forwards in
+    pipeline_depth: int = 2         # forwards in flight at once; 1: one after another
     warmup: bool = True             # compile every shape bucket at start-up
     kernel_backend: str = "auto"    # "auto": the Pallas kernels on TPU, the XLA path elsewhere
     q_block: int = 0                # attention block sizes; 0: from the table for this device
@@ -41,7 +42,7 @@ class EngineConfig:
         if self.kernel_backend not in ("auto",) + KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be auto or one of {KERNEL_BACKENDS}")
         positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",
-                    "tp_size", "dp_size")
+                    "tp_size", "dp_size", "pipeline_depth")
         if any(getattr(self, name) <= 0 for name in positive) or not 0 < self.mem_fraction <= 1:
             raise ValueError(f"{positive} must be positive and mem_fraction in (0, 1]: {self}")
         if min(self.q_block, self.kv_block, self.kv_cache_tokens) < 0:

@@ -40,6 +40,8 @@ class Job:
         self.logits = np.zeros((self.n_items, len(self.labels)))
         self.lse = np.zeros(self.n_items)
         self._pending, self._prompt_tokens = self.n_units, 0
+        if self.n_units == 0:  # nothing to score
+            self._answer()
 
     @property
     def with_lse(self) -> bool:
@@ -55,9 +57,11 @@ class Job:
         self.logits[items], self.lse[items] = logits[:, :len(self.labels)], lse
         self._pending, self._prompt_tokens = self._pending - 1, self._prompt_tokens + prompt_tokens
         if self._pending == 0:
-            scores = label_scores(self.logits, self.lse, self.apply_softmax, self.is_classifier)
-            self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(),
-                                                            self._prompt_tokens)))
+            self._answer()
+
+    def _answer(self) -> None:
+        scores = label_scores(self.logits, self.lse, self.apply_softmax, self.is_classifier)
+        self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(), self._prompt_tokens)))
 
     def fail(self, error: ScoreError) -> None:
         self._settle(lambda f: f.set_exception(error))

@@ -4,7 +4,7 @@ is a mesh of one.
 """
 import functools
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -42,6 +42,7 @@ class ModelRunner:
         if devices[0].platform == "cpu":
             params = per_layer_matrices(params)
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
+        self._new_cache = self._cache_maker()
         self.cache = self._new_cache()
         self.programs = ForwardPrograms(cfg, buckets, backend, self.mesh, self.shards,
                                         self.params, self.cache, program_cache_dir)
@@ -59,30 +60,56 @@ class ModelRunner:
     def compile_count(self) -> int:
         return self.programs.compile_count
 
-    def _new_cache(self) -> KVCache:
-        """Zeros made in place, each device holding its own KV heads only."""
+    def _cache_maker(self) -> Callable[[], KVCache]:
+        """A new pool: zeros made in place, each device holding its own KV heads only."""
         make = functools.partial(empty_cache, self.cfg, self.num_pages, self.buckets.page_size,
                                  self.dtype, self.backend, self.shards.kv_repeat)
-        return jax.jit(make, out_shardings=cache_placements(self.mesh))()
+        return jax.jit(make, out_shardings=cache_placements(self.mesh))
 
     def warm_up(self, threads: int = os.cpu_count() or 1) -> None:
         self.programs.warm_up(threads)
 
-    def run(self, batch: ForwardBatch, shape: BatchShape):
-        """Label logits [rows, labels] and logsumexp [rows] (zeros unless the batch asks for
-        it) as float64."""
+    def dispatch(self, batch: ForwardBatch, shape: BatchShape) -> "Pending":
+        """Starts a forward on the devices and returns at once (JAX dispatches
+        asynchronously); its results come from `collect`. Forwards run in the order they were
+        dispatched: each takes the KV pool the one before it gives back (donated)."""
         try:
             program = self.programs.get(shape)
             if self._publish is not None:
                 self._publish(shape, batch)
             logits, lse, self.cache = program(self.params, self.cache, batch)
-            logits, lse = np.asarray(logits, np.float64), np.asarray(lse, np.float64)
         except BaseException:
             self._restore_cache()
             raise
-        return logits, lse
+        return Pending(logits, lse)
+
+    def collect(self, pending: "Pending") -> tuple[np.ndarray, np.ndarray]:
+        """A dispatched forward's label logits [rows, labels] and logsumexp [rows] (zeros
+        unless the batch asked for it) as float64; waits for it. A device fault raises here,
+        and then the pool this runner holds may be poisoned: see `reset_cache`."""
+        return np.asarray(pending.logits, np.float64), np.asarray(pending.lse, np.float64)
+
+    def run(self, batch: ForwardBatch, shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+        """dispatch, then collect."""
+        pending = self.dispatch(batch, shape)
+        try:
+            return self.collect(pending)
+        except BaseException:
+            self.reset_cache()
+            raise
+
+    def reset_cache(self) -> None:
+        """A new, zeroed KV pool: after a fault, the old one may hold an error (a forward that
+        failed on the device passes it on to every forward dispatched after it)."""
+        self.cache = self._new_cache()
 
     def _restore_cache(self) -> None:
         """A step that failed after taking the donated cache leaves it deleted: start a new one."""
         if self.cache.k.is_deleted() or self.cache.v.is_deleted():
-            self.cache = self._new_cache()
+            self.reset_cache()
+
+
+class Pending(NamedTuple):
+    """A dispatched forward's outputs, on the devices."""
+    logits: jax.Array
+    lse: jax.Array

@@ -4,10 +4,14 @@ A node holds one page whose K/V are those of its tokens after every token on the
 from the root, at positions 0, 1, ...: a causal prefix, reusable by any sequence starting
 with the same tokens. The cache holds one reference per node's page; eviction removes
 least-recently-used leaves whose page nobody else holds.
+
+Eviction never walks the tree. Every node is kept in one LRU order, and a touch moves a path's
+nodes to its newest end deepest first, so a node is always newer than its descendants and the
+oldest node is a leaf: evicting a page costs O(1), plus the in-use leaves it steps over, which
+are bounded by the forwards in flight, not by the cache.
 """
+import collections
 import dataclasses
-import heapq
-import itertools
 
 from runtime.pages import PagePool
 
@@ -18,14 +22,13 @@ class _Node:
     page: int
     parent: "_Node | None"
     children: dict = dataclasses.field(default_factory=dict)
-    last_use: int = 0
 
 
 class PrefixCache:
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
         self._root = _Node((), -1, None)
-        self._clock = itertools.count(1)
+        self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()  # oldest 1st
 
     def _keys(self, tokens: list[int], max_pages: int):
         size = self.page_size
@@ -35,20 +38,21 @@ class PrefixCache:
     def match(self, tokens: list[int], max_pages: int) -> list[int]:
         """Pages of the longest cached prefix of `tokens` (at most `max_pages`), each
         retained once for the caller, who releases them to the pool when done."""
-        node, pages, now = self._root, [], next(self._clock)
+        node, path = self._root, []
         for key in self._keys(tokens, max_pages):
             node = node.children.get(key)
             if node is None:
                 break
-            node.last_use = now
-            pages.append(node.page)
+            path.append(node)
+        self._touch(path)
+        pages = [n.page for n in path]
         self.pool.retain(pages)
         return pages
 
     def insert(self, tokens: list[int], pages: list[int]) -> list[_Node]:
         """Caches the leading full pages of `tokens`, whose K/V are (or are being written)
         in `pages`. Prefixes cached already keep their page. Returns the new nodes."""
-        node, added, now = self._root, [], next(self._clock)
+        node, added, path = self._root, [], []
         for key, page in zip(self._keys(tokens, len(pages)), pages):
             child = node.children.get(key)
             if child is None:
@@ -56,9 +60,16 @@ class PrefixCache:
                 node.children[key] = child
                 self.pool.retain([page])
                 added.append(child)
-            child.last_use = now
+            path.append(child)
             node = child
+        self._touch(path)
         return added
+
+    def _touch(self, path: list[_Node]) -> None:
+        """Marks a path from the root used now, its deepest node first."""
+        for node in reversed(path):
+            self._lru[node] = None
+            self._lru.move_to_end(node)
 
     def remove(self, nodes: list[_Node]) -> None:
         """Drops `nodes` and everything below them (K/V that were never written)."""
@@ -72,21 +83,17 @@ class PrefixCache:
 
     def evict(self, pages_wanted: int) -> int:
         """Frees up to `pages_wanted` pages, least recently used leaves first; returns how many."""
-        heap = [(n.last_use, id(n), n) for n in self._nodes() if self._evictable(n)]
-        heapq.heapify(heap)
-        freed = 0
-        while heap and freed < pages_wanted:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            del parent.children[node.key]
+        freed, in_use = 0, 0
+        while freed < pages_wanted and in_use < len(self._lru):
+            node = next(iter(self._lru))
+            if node.children or self.pool.refcount(node.page) > 1:  # a forward holds it:
+                self._lru.move_to_end(node)  # it is being used now
+                in_use += 1
+                continue
+            del node.parent.children[node.key]
             self.pool.release(self._detach(node))
             freed += 1
-            if parent is not self._root and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return freed
-
-    def _evictable(self, node: _Node) -> bool:
-        return not node.children and self.pool.refcount(node.page) == 1
 
     def _nodes(self):
         stack = list(self._root.children.values())
@@ -95,8 +102,7 @@ class PrefixCache:
             stack.extend(node.children.values())
             yield node
 
-    @staticmethod
-    def _detach(node: _Node) -> list[int]:
+    def _detach(self, node: _Node) -> list[int]:
         """Unlinks a subtree; returns its pages."""
         pages, stack = [], [node]
         while stack:
@@ -104,6 +110,7 @@ class PrefixCache:
             pages.append(n.page)
             stack.extend(n.children.values())
             n.parent, n.children = None, {}
+            del self._lru[n]
         return pages
 
     def pages(self) -> list[int]:

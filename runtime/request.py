@@ -26,7 +26,7 @@ def _is_int(x) -> bool:
 
 
 def _token_list(value, what: str) -> Tokens:
-    if not isinstance(value, list) or not all(_is_int(x) for x in value):
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:  # bool is not int
         raise ScoreError(f"{what} must be a string or a list of integer token ids")
     return value
 
@@ -127,7 +127,7 @@ def _model(body: dict) -> str:
 
 
 def check_token_range(ids: Tokens, vocab_size: int, what: str) -> None:
-    for token in ids:
-        if not 0 <= token < vocab_size:
-            raise ScoreError(f"{what} contains token id {token}, outside the vocabulary "
-                             f"[0, {vocab_size})")
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        token = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ScoreError(f"{what} contains token id {token}, outside the vocabulary "
+                         f"[0, {vocab_size})")

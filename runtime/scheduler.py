@@ -1,23 +1,33 @@
-"""Continuous batching: waiting units of every request share ragged forwards (CONTRACT §4-§5).
+"""Continuous batching: waiting units of every request share ragged forwards (CONTRACT §4-§5),
+pipelined so that the host prepares the next forward while the devices run this one.
 
 One thread owns the page pool, the prefix cache and the device. It takes waiting units in the
 order of its `WaitQueue` (fair or first come, first served) until the next would break a
 budget (tokens, sequences, rows, pages), so no unit is overtaken within that order. A unit
 reuses the cached pages of its query; pages it computes are cached when the batch is formed,
-so units behind it in the same forward share them too (every layer writes all new K/V before
-any token attends).
+so units behind it, in the same forward or a later one, share them too (every layer writes
+all new K/V before any token attends, and forwards run on the device in the order they were
+dispatched, each on the KV pool the one before gave back).
+
+Pipeline (like SGLang's overlap scheduler): up to `depth` forwards are in flight. While
+forward N runs, the thread forms, builds and dispatches forward N+1, then waits for N's
+results and answers them. A forward's pages return to the pool when its results are in. A
+forward that fails fails its own requests; forwards dispatched behind it ran on what it left
+in the pool, so their units go back to the head of the queue and run again.
 """
+import collections
 import dataclasses
 import threading
+import time
 
 import jax
 from absl import logging
 
 from runtime.batch_builder import ScheduledSeq, build_batch
-from runtime.buckets import ShapeBuckets, pages_needed
+from runtime.buckets import BatchShape, ShapeBuckets, pages_needed
 from runtime.errors import ScoreError
 from runtime.job import Job, Unit
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, Pending
 from runtime.packing import cacheable_len
 from runtime.pages import PagePool
 from runtime.prefix_cache import PrefixCache
@@ -31,17 +41,39 @@ class SchedulerStats:
     computed_tokens: int = 0
     padded_tokens: int = 0   # the buckets' tokens: computed ones and their padding
     cached_tokens: int = 0   # tokens whose K/V came from the prefix cache
+    in_flight_s: float = 0.0  # wall time with at least one forward dispatched and not collected
+    host_s: float = 0.0       # the scheduler thread's CPU time: forming, building,
+    #                           dispatching forwards and answering their results
+    recent_host_s: collections.deque = dataclasses.field(  # per forward, the latest
+        default_factory=lambda: collections.deque(maxlen=4096))
+
+
+@dataclasses.dataclass(eq=False)
+class _Forward:
+    batch: list[tuple[Unit, ScheduledSeq]]
+    shape: BatchShape | None = None
+    pending: Pending | None = None  # set once dispatched
+    host_s: float = 0.0             # the scheduler thread's CPU time on it so far
+
+    @property
+    def entries(self) -> list[ScheduledSeq]:
+        return [e for _, e in self.batch]
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, prefix_cache: bool = True, policy: str = "fair"):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, prefix_cache: bool = True, policy: str = "fair",
+                 depth: int = 2):
+        """`depth`: forwards in flight at once; 1 runs them one after another."""
+        if depth < 1:
+            raise ValueError(f"the pipeline depth must be at least 1, got {depth}")
+        self.runner, self.depth = runner, depth
         self.buckets: ShapeBuckets = runner.buckets
         self.pool = PagePool(runner.num_pages)
         self.prefix_cache = PrefixCache(self.pool, self.buckets.page_size) if prefix_cache else None
         self.stats = SchedulerStats()
         self._waiting = WaitQueue(policy)
-        self._running: list[ScheduledSeq] = []
+        self._in_flight: collections.deque[_Forward] = collections.deque()  # oldest first
+        self._busy_since = 0.0
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -55,6 +87,7 @@ class Scheduler:
             self._cond.notify()
 
     def close(self) -> None:
+        """Stops taking work: forwards in flight are answered, waiting requests fail (503)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -66,15 +99,15 @@ class Scheduler:
 
     @property
     def load(self) -> int:
-        """Tokens queued or in the forward running: the work a new request waits behind."""
+        """Tokens queued or in forwards in flight: the work a new request waits behind."""
         with self._cond:
             return (sum(len(u.seq.tokens) for u in self._waiting)
-                    + sum(e.new_tokens for e in self._running))
+                    + sum(e.new_tokens for f in self._in_flight for e in f.entries))
 
     def check_pages(self) -> None:
-        """The page invariant: counts equal holders (running sequences and the cache)."""
+        """The page invariant: counts equal holders (sequences in flight and the cache)."""
         with self._cond:
-            holders = [e.pages for e in self._running]
+            holders = [e.pages for f in self._in_flight for e in f.entries]
             self.pool.check(holders + ([self.prefix_cache.pages()] if self.prefix_cache else []))
 
     def flush_prefix_cache(self) -> int:
@@ -85,18 +118,27 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._in_flight and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed and not self._in_flight:
                     break
-                with jax.profiler.TraceAnnotation("form_batch"):
-                    batch = self._form_batch()
-            if batch:
-                self._run(batch)
-        for unit in self._waiting:
-            unit.job.fail(ScoreError("the server is shutting down", status=503))
+                forward, start = None, time.thread_time()
+                if self._waiting and not self._closed and len(self._in_flight) < self.depth:
+                    with jax.profiler.TraceAnnotation("form_batch"):
+                        forward = self._form_forward()
+            if forward is not None:
+                self._dispatch(forward)
+                forward.host_s += time.thread_time() - start
+                if len(self._in_flight) < self.depth and not self._closed:
+                    continue  # room for one more: prepare it while these run
+            if self._in_flight:
+                self._complete()
+        with self._cond:
+            for unit in self._waiting:
+                unit.job.fail(ScoreError("the server is shutting down", status=503))
 
-    def _form_batch(self) -> list[tuple[Unit, ScheduledSeq]]:
+    def _form_forward(self) -> _Forward | None:
+        """The next forward's units, their pages held, counted as in flight; None if none."""
         batch, tokens, rows = [], 0, 0
         for unit in self._waiting.in_order():
             if len(batch) == self.buckets.max_seqs:
@@ -109,17 +151,22 @@ class Scheduler:
             if rows + n_rows <= self.buckets.max_rows:
                 entry = self._reserve(unit.seq, self.buckets.max_tokens - tokens)
             if entry is None:
-                if not batch:  # cannot happen with a pool sized by EngineConfig
-                    self._waiting.drop(unit.job)
+                if not batch and not self._in_flight:  # cannot happen with a pool sized by
+                    self._waiting.drop(unit.job)       # EngineConfig
                     unit.job.fail(ScoreError("the KV cache cannot hold this request", 500))
                     continue
                 break
             self._waiting.take(unit)
-            self._running.append(entry)
             batch.append((unit, entry))
             tokens, rows = tokens + entry.new_tokens, rows + n_rows
         self._waiting.forward_formed()
-        return batch
+        if not batch:
+            return None
+        forward = _Forward(batch)
+        if not self._in_flight:
+            self._busy_since = time.perf_counter()
+        self._in_flight.append(forward)
+        return forward
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
         """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
@@ -141,41 +188,70 @@ class Scheduler:
             self.prefix_cache.evict(short)
         return pages <= self.pool.free_count
 
-    def _run(self, batch: list[tuple[Unit, ScheduledSeq]]) -> None:
-        entries = [e for _, e in batch]
+    def _dispatch(self, forward: _Forward) -> None:
+        """Builds the forward and starts it on the devices; if that fails, so do its requests."""
+        labels = [u.job.labels for u, _ in forward.batch for _ in u.items]
+        entries = forward.entries
         try:
-            outcome = self._forward(batch, entries)
-        except Exception as e:  # this batch fails; the runtime goes on
+            forward.shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
+                                               len(entries))
+            with jax.profiler.TraceAnnotation("build_batch"):
+                batch = build_batch(entries, labels, forward.shape, self.buckets.page_size,
+                                    self.runner.num_pages, self.runner.sizes,
+                                    any(u.job.with_lse for u, _ in forward.batch))
+            with jax.profiler.TraceAnnotation("dispatch"):
+                forward.pending = self.runner.dispatch(batch, forward.shape)
+        except Exception as e:  # this forward fails; the runtime goes on
             logging.exception("forward of %d sequences failed", len(entries))
-            outcome = e
-        finally:  # before any request is answered: a client with its answer finds them free
-            with self._cond:
-                for entry in entries:
-                    self.pool.release(entry.pages)
-                self._running.clear()
-        if isinstance(outcome, Exception):
-            self._fail(batch, outcome)
-        else:
-            self._finish(batch, *outcome)
+            self._retire(forward)
+            self._fail(forward, e)
 
-    def _forward(self, batch: list[tuple[Unit, ScheduledSeq]], entries: list[ScheduledSeq]):
-        """The pass's label logits and logsumexp."""
-        labels = [u.job.labels for u, _ in batch for _ in u.items]
-        with_lse = any(u.job.with_lse for u, _ in batch)
-        shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
-                                   len(entries))
-        with jax.profiler.TraceAnnotation("build_batch"):
-            forward = build_batch(entries, labels, shape, self.buckets.page_size,
-                                  self.runner.num_pages, self.runner.sizes, with_lse)
-        with jax.profiler.TraceAnnotation("forward"):
-            logits, lse = self.runner.run(forward, shape)
-        self.stats.padded_tokens += shape.tokens
-        return logits, lse
+    def _complete(self) -> None:
+        """Waits for the oldest forward in flight and answers its requests."""
+        forward, start = self._in_flight[0], time.thread_time()  # waiting takes no CPU time
+        try:
+            with jax.profiler.TraceAnnotation("collect"):
+                logits, lse = self.runner.collect(forward.pending)
+        except Exception as e:
+            logging.exception("forward of %d sequences failed", len(forward.batch))
+            self._requeue_behind(forward)
+            self.runner.reset_cache()
+            self._retire(forward)
+            self._fail(forward, e)
+            return
+        self._retire(forward)  # before any answer: a client with its answer finds them free
+        self._finish(forward, logits, lse)
+        forward.host_s += time.thread_time() - start
+        self.stats.host_s += forward.host_s
+        self.stats.recent_host_s.append(forward.host_s)
 
-    def _finish(self, batch, logits, lse) -> None:
+    def _retire(self, forward: _Forward) -> None:
+        """Returns a forward's pages to the pool: no forward in flight reads them any more."""
+        with self._cond:
+            self._in_flight.remove(forward)
+            for entry in forward.entries:
+                self.pool.release(entry.pages)
+            if not self._in_flight:
+                self.stats.in_flight_s += time.perf_counter() - self._busy_since
+
+    def _requeue_behind(self, failed: _Forward) -> None:
+        """Forwards dispatched after `failed` read the pool it left: once they are done, their
+        units go back to the head of the queue, to run again."""
+        behind = list(self._in_flight)[self._in_flight.index(failed) + 1:]
+        for forward in behind:
+            try:
+                self.runner.collect(forward.pending)
+            except Exception:  # expected: the fault passes down the pool
+                pass
+            self._retire(forward)
+        with self._cond:
+            self._waiting.put_back([u for f in behind for u, _ in f.batch if u.job.active])
+
+    def _finish(self, forward: _Forward, logits, lse) -> None:
         self.stats.forwards += 1
+        self.stats.padded_tokens += forward.shape.tokens
         row = 0
-        for unit, entry in batch:
+        for unit, entry in forward.batch:
             n = len(unit.items)
             self.stats.computed_tokens += entry.new_tokens
             self.stats.cached_tokens += entry.cached
@@ -183,11 +259,11 @@ class Scheduler:
                                len(unit.seq.tokens))
             row += n
 
-    def _fail(self, batch, error: Exception) -> None:
+    def _fail(self, forward: _Forward, error: Exception) -> None:
         self.stats.failed_forwards += 1
         if self.prefix_cache:  # its pages may hold K/V never written, or the cache was rebuilt
             with self._cond:
                 self.prefix_cache.clear()
         message = f"the forward pass failed: {type(error).__name__}: {error}"
-        for unit, _ in batch:
+        for unit, _ in forward.batch:
             unit.job.fail(ScoreError(message, status=500))

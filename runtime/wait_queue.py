@@ -56,6 +56,17 @@ class WaitQueue:
         if not units:
             self.drop(unit.job)
 
+    def put_back(self, units: list[Unit]) -> None:
+        """Returns units taken into a forward that did not run, in the order they were taken,
+        to the head of the queue: before the waiting units of their jobs, and their jobs
+        before every other job."""
+        returned: dict[Job, collections.deque[Unit]] = {}
+        for unit in units:
+            returned.setdefault(unit.job, collections.deque()).append(unit)
+        for job, waiting in self._units.items():
+            returned.setdefault(job, collections.deque()).extend(waiting)
+        self._units = returned
+
     def drop(self, job: Job) -> None:
         """Forgets `job`'s waiting units (it was cancelled, failed or answered)."""
         self._units.pop(job, None)

@@ -74,6 +74,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("schedule_policy", "fair", list(SCHEDULE_POLICIES), "fair: requests "
                       "least recently served go first, so a small request is not held behind "
                       "a large one's forwards; fcfs: first come, first served")
+    flags.DEFINE_integer("pipeline_depth", 2, "forwards in flight at once: the host prepares "
+                         "the next while the devices run one; 1: one after another")
     flags.DEFINE_string("trace_dir", None, "where POST /start_profile writes jax.profiler "
                         "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
@@ -103,7 +105,7 @@ def engine_config() -> EngineConfig:
         max_seqs=FLAGS.max_seqs, max_rows=FLAGS.max_rows, max_labels=FLAGS.max_labels,
         kv_cache_tokens=FLAGS.kv_cache_tokens, mem_fraction=FLAGS.mem_fraction,
         prefix_cache=not FLAGS.disable_prefix_cache, warmup=not FLAGS.skip_warmup,
-        schedule_policy=FLAGS.schedule_policy,
+        schedule_policy=FLAGS.schedule_policy, pipeline_depth=FLAGS.pipeline_depth,
         kernel_backend=FLAGS.kernel_backend, q_block=FLAGS.q_block,
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
         rerank_template=FLAGS.rerank_template,

@@ -22,6 +22,11 @@ _ENGINE_METRICS = [  # (name, type, help, value of an Engine)
      "ran: computed tokens and their padding", _total(lambda s: s.stats.padded_tokens)),
     ("jax_score_cached_tokens_total", "counter", "prompt tokens served from the prefix cache",
      _total(lambda s: s.stats.cached_tokens)),
+    ("jax_score_forward_in_flight_seconds_total", "counter", "wall time with a forward "
+     "dispatched to the devices and its results not yet read",
+     _total(lambda s: s.stats.in_flight_s)),
+    ("jax_score_scheduler_host_seconds_total", "counter", "the schedulers' CPU time on "
+     "forwards: forming, building, dispatching, answering", _total(lambda s: s.stats.host_s)),
     ("jax_score_waiting_sequences", "gauge", "sequences queued for a forward",
      _total(lambda s: s.waiting)),
     ("jax_score_kv_pages_used", "gauge", "KV pages held by sequences or the prefix cache",

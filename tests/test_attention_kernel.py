@@ -29,6 +29,7 @@ from kernels.ragged_paged_attention_xla import block_rows, ragged_paged_attentio
 from model.decoder import pool_head_dim
 from profiling.tpu_compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
 from tests.attention_cases import random_batch
+from tests.plan_reference import plan_steps
 
 
 def plan_for(md, sizes, extra=0, page_size=8):
@@ -347,3 +348,31 @@ def test_kernel_compiles_for_v6e(model, dtype, page):
 
     compiled = compile_for_v6e(fn, sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
     assert mosaic_kernels(compiled) == ["ragged_paged_attention"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_equals_its_rule_segment_by_segment(seed):
+    """build_plan's array operations give the steps, item steps and splits, in order, that
+    the rule gives one segment at a time (tests/plan_reference.py)."""
+    rng = np.random.default_rng(seed)
+    page = int(rng.choice([8, 16]))
+    specs = random_specs(rng) + [("items", int(rng.integers(0, 70)),
+                                  rng.integers(0, 30, int(rng.integers(1, 12))).tolist())]
+    _, _, _, md, _ = random_batch(rng, specs, hq=1, hkv=1, d=8, page_size=page,
+                                  dtype=jnp.float32)
+    sizes = BlockSizes(8 * int(rng.integers(1, 5)), page * int(rng.integers(1, 4)))
+    if seed % 2:
+        sizes = dataclasses.replace(sizes, item_q_block=8 * int(rng.integers(1, 3)),
+                                    item_kv_block=page * int(rng.integers(1, 3)))
+    args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
+    plan = build_plan(*args, page_size=page)
+    pos, seq, steps, item_steps, splits = plan_steps(*args, page_size=page)
+    assert plan.token_pos.tolist() == pos and plan.token_seq.tolist() == seq
+    real = int(plan.num_steps) if steps else 0
+    got = np.stack([plan.step_block, plan.step_seq, plan.step_kv], 1)[:real]
+    assert got.tolist() == [list(s) for s in steps]
+    if sizes.item_q_block:
+        items = plan.items
+        got = np.stack([items.block, items.seq, items.start], 1)[:int(items.num_steps)]
+        assert got.tolist() == [list(s) for s in item_steps]
+        assert plan.kv_split.tolist() == splits

@@ -136,6 +136,9 @@ def test_compilations_are_reported_in_info_and_metrics(port, engines):
     lines = metrics_lines(port)
     assert f"jax_score_compilations_total {info['compilations']}" in lines
     assert "# TYPE jax_score_kv_pages_used gauge" in lines
+    for timed in ("forward_in_flight", "scheduler_host"):  # a forward ran: both took time
+        line = next(x for x in lines if x.startswith(f"jax_score_{timed}_seconds_total "))
+        assert float(line.split()[1]) > 0
 
 
 def test_metrics_count_requests_items_and_latency(engines, caplog):
@@ -174,8 +177,8 @@ def test_engine_bug_is_500_and_only_that_request_fails(engines, monkeypatch):
 
 def test_health_answers_during_a_forward(engines, monkeypatch):
     engine = engines["llama"]
-    real = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda *a: (time.sleep(2.0), real(*a))[1])
+    real = engine.runner.collect
+    monkeypatch.setattr(engine.runner, "collect", lambda *a: (time.sleep(2.0), real(*a))[1])
     with serving(engine) as p:
         worker = threading.Thread(target=call, args=(p, "POST", "/v1/score", OK))
         worker.start()

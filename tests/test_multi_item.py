@@ -51,6 +51,22 @@ def test_chunked_request_equals_unchunked(model_dirs, engines):
     small.close()
 
 
+def test_a_request_longer_than_the_context_is_cut_where_each_prompt_fits(model_dirs, engines):
+    """Items whose prompts each fit the model's context (256 positions) but not all packed
+    together, with a forward budget larger than the context: units of at most 256 tokens,
+    each KV sequence within the page table."""
+    roomy = Engine.from_path(model_dirs["qwen3"], small_config(max_prefill_tokens=512))
+    rng = np.random.default_rng(2)
+    query = rng.integers(0, VOCAB, 100).tolist()
+    items = [rng.integers(0, VOCAB, 20).tolist() for _ in range(10)]  # 300 tokens packed
+    try:
+        got = roomy.score(query, items, [1, 2])
+        assert_scores_close(got.scores, engines["qwen3"].score(query, items, [1, 2]).scores)
+        assert_no_leaked_pages(roomy)
+    finally:
+        roomy.close()
+
+
 def test_multi_item_sequence_layout():
     seq = multi_item_sequence([10, 11, 12], [[20, 21], [], [30]])
     assert seq.tokens == [10, 11, 12, 20, 21, 30]

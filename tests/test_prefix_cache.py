@@ -1,4 +1,7 @@
 """The page pool and the prefix cache on their own: sharing, LRU eviction, rollback."""
+import time
+
+import numpy as np
 import pytest
 
 from runtime.pages import PagePool
@@ -80,3 +83,34 @@ def test_insert_keeps_the_first_page_of_a_prefix_and_remove_drops_subtrees():
     cache.remove(added[:1] + added)  # an ancestor and its descendant: released once each
     assert cache.pages() == [] and pool.free_count == 8
     pool.check([])
+
+
+def full_cache(num_pages: int, chain: int = 8):
+    """A pool whose every page the cache holds: prefixes of `chain` pages, each its own
+    query, inserted as the scheduler inserts them, touched in a scattered order."""
+    pool, cache = cache_with(num_pages, page_size=1)
+    for first in range(0, num_pages, chain):
+        cache_sequence(pool, cache, list(range(first, first + chain)))
+    order = np.random.default_rng(0).permutation(num_pages // chain) * chain
+    for first in order[:len(order) // 2]:
+        pool.release(cache.match(list(range(first, first + chain)), chain))
+    assert pool.free_count == 0
+    return pool, cache
+
+
+def seconds_per_eviction(cache, evictions: int) -> float:
+    start = time.perf_counter()
+    for _ in range(evictions):
+        assert cache.evict(1) == 1
+    return (time.perf_counter() - start) / evictions
+
+
+def test_evicting_a_page_costs_the_same_in_a_pool_of_a_million_tokens():
+    """Eviction never walks the tree: a page from a full cache of 1M tokens (65,536 pages of
+    16) costs what it costs from one ten times smaller. Best of five rounds each, in turn."""
+    large, small = full_cache(65536)[1], full_cache(6552)[1]
+    best = {"large": np.inf, "small": np.inf}
+    for _ in range(5):
+        best["large"] = min(best["large"], seconds_per_eviction(large, 1000))
+        best["small"] = min(best["small"], seconds_per_eviction(small, 1000))
+    assert best["large"] < 1.5 * best["small"], best

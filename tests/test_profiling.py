@@ -257,14 +257,10 @@ ENTRY %main (p: f32[64]) -> f32[1,1000] {
 def test_bench_compare_measures_a_started_server(model_dirs):
     import asyncio
 
-    from profiling.bench_compare import (
-        running_server,
-        serve_shape,
-        server_vocab,
-        shape_requests,
-    )
+    from profiling.bench_compare import serve_shape, server_vocab, shape_requests
+    from profiling.server_process import running_server
     args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
-    with running_server(model_dirs["llama"], args) as (url, devices, start_s):
+    with running_server(model_dirs["llama"], args) as (url, devices, start_s, _):
         reqs = shape_requests(asyncio.run(server_vocab(url)),
                               {"query_tokens": 6, "item_tokens": 2, "num_items": 3}, requests=4)
         row, scores = asyncio.run(serve_shape(url, reqs, clients=2, repeats=1))
@@ -275,7 +271,7 @@ def test_bench_compare_measures_a_started_server(model_dirs):
 
 
 def test_bench_compare_says_why_the_server_did_not_start(model_dirs):
-    from profiling.bench_compare import running_server
+    from profiling.server_process import running_server
     with pytest.raises(RuntimeError, match=r"exited with 1 before serving:(.|\n)*--tp-size"):
         with running_server(model_dirs["llama"], "--tp-size 3 --skip-warmup"):
             pass
@@ -314,7 +310,7 @@ def test_server_profile_endpoints_write_a_trace_with_named_spans(model_dirs, tmp
     trace, = tmp_path.rglob("*.trace.json.gz")
     names = {e.get("name") for e in json.load(gzip.open(trace))["traceEvents"]}
     assert {"http_request", "parse_request", "tokenize", "form_batch", "build_batch",
-            "forward"} <= names  # host-side spans
+            "dispatch", "collect"} <= names  # host-side spans
     xplane = next(tmp_path.rglob("*.xplane.pb")).read_bytes()
     for scope in (b"layer/qkv", b"layer/kv_write", b"layer/attention", b"layer/mlp",
                   b"label_gather"):
@@ -417,3 +413,32 @@ def test_cpu_samples_cli_profiles_each_bucket_asked(model_dirs, tmp_path):
         assert r["forwards"] > 0 and r["shares"]["samples"] > 100  # 1 s at 999 Hz, or more
         assert sum(r["shares"][c] for c in CLASSES) == pytest.approx(1)
         assert r["vs_dense_matmul"] == pytest.approx(r["measured_s"] / r["dense_matmul_s"])
+
+
+def test_bench_serving_loads_a_started_server_and_reads_its_counters(tmp_path):
+    """Text requests (the tokenizer in the path) from two clients for a second: every one
+    answered, the forward counters read, the per-request path timed by stage."""
+    from profiling.bench_serving import run, tiny_checkpoint
+    model = tiny_checkpoint(str(tmp_path / "tiny"))
+    result = run(model, ["."], [2], duration=1.0, warmup=0.5, text=True, window=0.5,
+                 server_args="--max-prefill-tokens 1024 --skip-warmup")
+    (row,) = result["servers"]["."]["levels"]
+    assert row["requests"] > 0 and row["errors"] == 0 and row["items_per_s"] > 0
+    assert row["requests_per_forward"] >= 1 and 0 < row["forward_in_flight_share"] <= 1
+    assert row["scheduler_cpu_ms_per_forward"] > 0 and row["server_cpu_ms_per_request"] > 0
+    assert len(row["items_per_s_by_window"]) == 2
+    path = result["request_path_us"]
+    assert set(path) == {"http_read", "json", "validate", "prepare", "answer", "total"}
+    assert all(v > 0 for v in path.values())
+
+
+def test_bench_host_work_times_the_schedulers_cpu_per_forward(tmp_path):
+    import numpy as np
+
+    from profiling.bench_host_work import forward_requests, run
+    from profiling.bench_serving import tiny_checkpoint
+    reqs = forward_requests(512, 320, np.random.default_rng(0))
+    assert sum(len(r.query) + sum(map(len, r.items)) for r in reqs) == 512  # one bucket full
+    result = run(tiny_checkpoint(str(tmp_path / "tiny")), [128], forwards=4, estimate=False)
+    (row,) = result["buckets"]
+    assert row["bucket"] == 128 and row["forwards"] >= 4 and row["host_ms_median"] > 0

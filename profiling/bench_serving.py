@@ -1,0 +1,277 @@
+"""The whole host path under load: the server, started as a user starts it, on a tiny random
+model whose forwards take milliseconds (as a chip's do), and SGLang's base shape sent from
+this process, closed loop, at rising concurrency.
+
+python -m profiling.bench_serving [--model-path DIR] [--server-roots .,/tmp/old]
+    [--concurrency 1,4,16,64] [--duration 20] [--warmup 3] [--text] [--window 0]
+    [--server-args ""] [--out serving.json]
+
+Without --model-path it writes the tiny checkpoint (2 layers, hidden 64, Qwen3,
+profiling.random_checkpoint). Each of --server-roots is a checkout whose `python -m server`
+runs in turn (e.g. the code before a change, checked out with `git worktree add`), on the
+same model and client. Requests: a 120-token query, 10 items of 18 tokens, 2 labels, every
+request its own query (the prefix cache fills and evicts), as token ids or, with --text, as
+text the server tokenizes. Each of `concurrency` clients sends its next request when the
+last is answered, for `duration` seconds after `warmup` seconds of the same.
+Per level: items/s and requests/s (answered within the run), latency p50/p99 (client wall
+clock, request sent to answer read), the server's CPU ms per request (/proc, all its
+threads: HTTP, JSON, tokenizing, scheduling and the CPU forward), its scheduler's CPU ms per
+forward, requests per forward, and the share of wall time a forward was in flight (/metrics;
+servers from before these metrics report null). --window N: items/s in each N-second window.
+"""
+import asyncio
+import itertools
+import json
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+from model.tokenizer import TextTokenizer
+from profiling import random_checkpoint
+from profiling.random_checkpoint import SPECIAL_TOKENS
+from profiling.score_client import ConnectionPool
+from profiling.server_process import running_server
+from profiling.timing import write_json
+from runtime.cli_flags import parse_flags
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+from runtime.request import parse_score_request
+from server.app import parse_json
+from server.http import Limits, encode_response, read_request
+
+FLAGS = flags.FLAGS
+SHAPE = {"query_tokens": 120, "num_items": 10, "item_tokens": 18, "num_labels": 2}
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "tie_word_embeddings": False}
+_COUNTERS = {"forwards": "jax_score_forwards_total",
+             "in_flight_s": "jax_score_forward_in_flight_seconds_total",
+             "host_s": "jax_score_scheduler_host_seconds_total"}
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model_path", None, "checkpoint; default: a tiny random Qwen3")
+    flags.DEFINE_list("server_roots", ["."], "checkouts whose servers run in turn")
+    flags.DEFINE_list("concurrency", ["1", "4", "16", "64"], "clients, one level each")
+    flags.DEFINE_float("duration", 20.0, "seconds measured per level")
+    flags.DEFINE_float("warmup", 3.0, "seconds of load before each level's measurement")
+    flags.DEFINE_bool("text", False, "text queries and items, tokenized by the server")
+    flags.DEFINE_float("window", 0.0, "also items/s per window of this many seconds; 0: none")
+    flags.DEFINE_string("server_args", "", "more flags for every server")
+    flags.DEFINE_integer("seed", 0, "seed of the requests' tokens")
+    flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def tiny_checkpoint(directory: str) -> str:
+    return random_checkpoint.write_checkpoint(directory, TINY, seed=0)
+
+
+class Bodies:
+    """Request bodies of SGLang's base shape, each with its own query, as bytes: made before
+    the run (the client's CPU time goes to sending), and taken in turn. `count` of them are
+    more than the prefix cache holds the queries of, so a query never comes back cached.
+    With a `tokenizer`, text: random tokens of its vocabulary, decoded, that encode as about
+    as many tokens."""
+
+    def __init__(self, vocab: int, seed: int, tokenizer: TextTokenizer | None = None,
+                 count: int = 4096):
+        self.rng, self.tokenizer = np.random.default_rng(seed), tokenizer
+        self.vocab = tokenizer.vocab_size - len(SPECIAL_TOKENS) if tokenizer else vocab
+        self.labels = self.rng.integers(0, vocab, SHAPE["num_labels"]).tolist()
+        self._bodies = itertools.cycle([self._body() for _ in range(count)])
+
+    def _part(self, tokens: int):
+        ids = self.rng.integers(len(SPECIAL_TOKENS) if self.tokenizer else 0, self.vocab,
+                                tokens).tolist()
+        if not self.tokenizer:
+            return ids
+        # Random tokens decoded encode again as more tokens: keep the first `tokens` of those.
+        return self.tokenizer.decode(self.tokenizer.encode(self.tokenizer.decode(ids))[:tokens])
+
+    def _body(self) -> bytes:
+        body = {"query": self._part(SHAPE["query_tokens"]),
+                "items": [self._part(SHAPE["item_tokens"]) for _ in range(SHAPE["num_items"])],
+                "label_token_ids": self.labels}
+        return json.dumps(body).encode()
+
+    def next(self) -> bytes:
+        return next(self._bodies)
+
+
+def text_tokenizer(model_path: str, text: bool) -> TextTokenizer | None:
+    return TextTokenizer.from_file(os.path.join(model_path, "tokenizer.json")) if text else None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process, all its threads (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def counters(pool: ConnectionPool) -> dict:
+    """The server's forward counters; None for those it does not report."""
+    text = (await pool.request("GET", "/metrics")).body.decode()
+    found = {key: re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+             for key, name in _COUNTERS.items()}
+    return {key: float(m.group(1)) if m else None for key, m in found.items()}
+
+
+async def closed_loop(pool: ConnectionPool, bodies: Bodies, clients: int, seconds: float):
+    """(answer times, latencies, statuses) of `clients` clients for `seconds`."""
+    done, latencies, statuses = [], [], []
+    stop = time.perf_counter() + seconds
+
+    async def client():
+        while (sent := time.perf_counter()) < stop:
+            answer = await pool.request("POST", "/v1/score", bodies.next())
+            done.append(time.perf_counter())
+            latencies.append(done[-1] - sent)
+            statuses.append(answer.status)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return done, latencies, statuses
+
+
+def _delta(after: dict, before: dict, key: str) -> float | None:
+    return None if after[key] is None else after[key] - before[key]
+
+
+async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float,
+                warmup: float, window: float) -> dict:
+    pool = ConnectionPool(url)
+    await closed_loop(pool, bodies, clients, warmup)
+    before, cpu_before, start = await counters(pool), cpu_seconds(pid), time.perf_counter()
+    done, latencies, statuses = await closed_loop(pool, bodies, clients, seconds)
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu_before
+    after = await counters(pool)
+    pool.close()
+    ok = [lat for lat, status in zip(latencies, statuses) if status == 200]
+    n, forwards = len(ok), _delta(after, before, "forwards")
+    in_flight, host = _delta(after, before, "in_flight_s"), _delta(after, before, "host_s")
+    row = {"clients": clients, "requests": len(statuses), "errors": len(statuses) - n,
+           "elapsed_s": elapsed, "items_per_s": n * SHAPE["num_items"] / elapsed,
+           "req_per_s": n / elapsed,
+           "latency_ms": {"p50": float(np.percentile(ok, 50)) * 1e3 if ok else None,
+                          "p99": float(np.percentile(ok, 99)) * 1e3 if ok else None},
+           "server_cpu_ms_per_request": cpu / max(n, 1) * 1e3,
+           "requests_per_forward": n / forwards if forwards else None,
+           "forward_in_flight_share": in_flight / elapsed if in_flight is not None else None,
+           "scheduler_cpu_ms_per_forward": host / forwards * 1e3 if host and forwards else None}
+    if window > 0:
+        times = np.asarray(done) - start
+        edges = np.arange(0.0, seconds + window / 2, window)
+        counts = np.histogram(times[(times >= 0) & (times < seconds)], edges)[0]
+        row["items_per_s_by_window"] = (counts * SHAPE["num_items"] / window).tolist()
+    return row
+
+
+async def server_vocab(url: str) -> int:
+    pool = ConnectionPool(url)
+    vocab = (await pool.get_json("/get_model_info"))["vocab_size"]
+    pool.close()
+    return vocab
+
+
+def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0) -> dict:
+    """The per-request path, in this process on this checkout's own functions: the HTTP head
+    and body read, JSON, validation, checking, tokenizing and packing (Engine.prepare), and
+    the answer encoded; microseconds per request by stage, the median of three passes over
+    `count` requests."""
+    engine = Engine.from_path(model_path, EngineConfig(warmup=False))
+    bodies = Bodies(engine.cfg.vocab_size, seed, text_tokenizer(model_path, text), count)
+    raw = [b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
+           for b in (bodies.next() for _ in range(count))]
+    answer = {"scores": np.random.default_rng(seed).random(
+        (SHAPE["num_items"], SHAPE["num_labels"])).tolist(), "model": "default",
+        "object": "scoring", "usage": {"prompt_tokens": 300, "completion_tokens": 0,
+                                       "total_tokens": 300}}
+
+    async def read_all(data: list[bytes]) -> tuple[float, list]:
+        start, out = time.perf_counter(), []
+        for one in data:
+            reader = asyncio.StreamReader()
+            reader.feed_data(one)
+            reader.feed_eof()
+            out.append(await read_request(reader, Limits(), None))
+        return (time.perf_counter() - start) / len(data) * 1e6, out
+
+    def passes(stage, inputs) -> tuple[float, list]:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            outputs = [stage(x) for x in inputs]
+            times.append((time.perf_counter() - start) / len(inputs) * 1e6)
+        return statistics.median(times), outputs
+
+    try:
+        runs = [asyncio.run(read_all(raw)) for _ in range(3)]
+        stages = {"http_read": statistics.median(t for t, _ in runs)}
+        reqs = runs[0][1]
+        stages["json"], parsed = passes(lambda r: parse_json(r.body), reqs)
+        stages["validate"], typed = passes(parse_score_request, parsed)
+        stages["prepare"], _ = passes(engine.prepare, typed)
+        stages["answer"], _ = passes(lambda _: encode_response(200, answer, True), typed)
+    finally:
+        engine.close()
+    return {**stages, "total": sum(stages.values())}
+
+
+def run(model_path: str, roots: list[str], concurrency: list[int], duration: float,
+        warmup: float, text: bool, window: float = 0.0, server_args: str = "",
+        seed: int = 0) -> dict:
+    servers = {}
+    for root in roots:
+        with running_server(model_path, server_args, cwd=root) as served:
+            bodies = Bodies(asyncio.run(server_vocab(served.url)), seed,
+                            text_tokenizer(model_path, text))
+            rows = [asyncio.run(level(served.url, served.pid, bodies, c, duration, warmup,
+                                      window)) for c in concurrency]
+            servers[root] = {"devices": served.devices, "levels": rows}
+    return {"shape": {**SHAPE, "text": text, "distinct_queries": True},
+            "request_path_us": request_path_us(model_path, text, seed=seed),
+            "model_path": model_path, "server_args": server_args, "duration_s": duration,
+            "warmup_s": warmup, "cpu": platform.processor() or platform.machine(),
+            "threads": os.cpu_count(), "timing": "client wall clock; server CPU from /proc",
+            "servers": servers}
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv) -> None:
+    del argv
+    with tempfile.TemporaryDirectory() as scratch:
+        model = FLAGS.model_path or tiny_checkpoint(os.path.join(scratch, "tiny"))
+        result = run(model, FLAGS.server_roots, [int(c) for c in FLAGS.concurrency],
+                     FLAGS.duration, FLAGS.warmup, FLAGS.text, FLAGS.window, FLAGS.server_args,
+                     FLAGS.seed)
+    print("per-request path, this checkout, us:", ", ".join(
+        f"{k} {v:.0f}" for k, v in result["request_path_us"].items()))
+    print("root | clients | items/s | req/s | p50 ms | p99 ms | server CPU ms/req | "
+          "req/forward | in flight | scheduler CPU ms/forward")
+    for root, server in result["servers"].items():
+        for r in server["levels"]:
+            print(f"{root} | {r['clients']} | {r['items_per_s']:.0f} | {r['req_per_s']:.0f} | "
+                  f"{_fmt(r['latency_ms']['p50'], '.1f')} | {_fmt(r['latency_ms']['p99'], '.1f')}"
+                  f" | {r['server_cpu_ms_per_request']:.2f} | "
+                  f"{_fmt(r['requests_per_forward'], '.1f')} | "
+                  f"{_fmt(r['forward_in_flight_share'], '.0%')} | "
+                  f"{_fmt(r['scheduler_cpu_ms_per_forward'], '.2f')}")
+            if "items_per_s_by_window" in r:
+                print("  items/s by window:", " ".join(f"{x:.0f}"
+                                                      for x in r["items_per_s_by_window"]))
+    write_json(result, FLAGS.out)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
