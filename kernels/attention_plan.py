@@ -143,7 +143,7 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return which, starts[which] + offset
 
 
-def kv_splits(pos, vis, seq, shared_lens, kv_lens, sizes: BlockSizes) -> np.ndarray:
+def _kv_splits(pos, vis, seq, shared_lens, kv_lens, sizes: BlockSizes) -> np.ndarray:
     """Where each sequence's block steps stop: its query's L if item steps can take the
     positions past it, each row seeing at most item_kv_block of them, and they lie past the
     KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
@@ -205,7 +205,7 @@ def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
     pos, seq = _token_rows(cu, kv_lens, len(visible_from))
     n = int(cu[-1])
     real = (pos[:n].astype(np.int64), visible_from[:n], seq[:n])
-    splits = kv_splits(*real, shared_lens, kv_lens, sizes)
+    splits = _kv_splits(*real, shared_lens, kv_lens, sizes)
     steps = _kv_block_steps(*real, shared_lens, splits, sizes) if n else np.zeros((0, 3))
     plan = _block_steps(pos, seq, steps, max_steps)
     if not sizes.item_q_block:

@@ -72,7 +72,8 @@ def gather_pages(pages, layer, ids):
 def sees(kv_pos, q_pos, visible_from, shared_len, kv_len):
     """The multi-item mask, elementwise (broadcasting): a token at KV position `q_pos` sees
     position `kv_pos` iff it is not later, and is shared or in the token's own window, and
-    holds a key. Every kernel masks with this; `needed_kv_blocks` is its block-level form."""
+    holds a key. Every kernel masks with this; the attention plan's `_kv_block_steps` is its
+    block-level form."""
     in_window = (kv_pos < shared_len) | (kv_pos >= visible_from)
     return (kv_pos <= q_pos) & in_window & (kv_pos < kv_len)
 
