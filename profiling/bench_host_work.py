@@ -3,17 +3,17 @@ serving loop keeps the chip busy only if the host prepares a forward in less tim
 chip runs one.
 
 python -m profiling.bench_host_work [--buckets 128,256,512,1024,2048,4096,8192]
-    [--forwards 40] [--estimate] [--out host_work.json]
+    [--forwards 40] [--estimate] [--estimates-from earlier.json] [--out host_work.json]
 
 Per bucket: an engine whose budget is the bucket (the server's other defaults; one forward in
 flight, since on CPU the forward runs on the same cores and would slow the host work it is
 measured beside) on a tiny random Qwen3 (2 layers, hidden 64: what the host does does not
-depend on the model's size), fed SGLang-shaped requests (120-token queries, items of 18 tokens, 2 labels,
-each request its own query) that fill one forward each. Host work: the scheduler thread's CPU
-time on a forward (forming it, building its batch and attention plan, dispatching it,
-reading and answering its results; time.thread_time, so waiting for the device is not
-counted), the median over `forwards` forwards. Beside it, the v6e estimate (a model, no TPU
-ran it: profiling.forward_estimate) of Qwen3-0.6B in bfloat16 on the same batch.
+depend on the model's size), fed SGLang-shaped requests (120-token queries, items of 18
+tokens, 2 labels, each request its own query) that fill one forward each. Host work: the
+scheduler thread's CPU time on a forward (forming it, building its batch and attention plan,
+dispatching it, reading and answering its results; time.thread_time, so waiting for the
+device is not counted), the median over `forwards` forwards. Beside it, the v6e estimate (a
+model, no TPU ran it: profiling.forward_estimate) of Qwen3-0.6B in bfloat16 on the same batch.
 """
 import collections
 import json

@@ -68,6 +68,24 @@ def test_fcfs_keeps_arrival_order_whatever_was_served():
     assert names(queue) == ["big1", "small0"]
 
 
+def test_units_put_back_go_first_in_the_order_they_were_taken():
+    """A forward that did not run returns its units: each before its job's waiting units,
+    their jobs before every other."""
+    queue = WaitQueue("fcfs")
+    a, a_units = job_with_units("a", 3)
+    b, b_units = job_with_units("b", 1)
+    queue.add(a, a_units)
+    queue.add(b, b_units)
+    taken = [a_units[0], a_units[1]]
+    for unit in taken:
+        queue.take(unit)
+    queue.put_back(taken)
+    assert names(queue) == ["a0", "a1", "a2", "b0"]
+    queue.take(b_units[0])  # b's last unit: b leaves the queue, then comes back first
+    queue.put_back([b_units[0]])
+    assert names(queue) == ["b0", "a0", "a1", "a2"]
+
+
 def test_units_leave_in_order_and_dropped_jobs_are_forgotten():
     queue = WaitQueue("fair")
     job, units = job_with_units("a", 2)
