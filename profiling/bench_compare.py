@@ -31,7 +31,7 @@ import numpy as np
 from absl import app, flags
 
 from profiling.bench_engine import workload
-from profiling.score_client import ConnectionPool
+from profiling.score_client import ConnectionPool, server_vocab
 from profiling.server_process import running_server
 from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
@@ -98,13 +98,6 @@ async def _alone(pool: ConnectionPool, req, repeats: int) -> float:
         await _score(pool, req)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-async def server_vocab(url: str) -> int:
-    pool = ConnectionPool(url)
-    vocab = (await pool.get_json("/get_model_info"))["vocab_size"]
-    pool.close()
-    return vocab
 
 
 async def serve_shape(url: str, reqs: list, clients: int, repeats: int) -> tuple[dict, np.ndarray]:

@@ -92,15 +92,21 @@ def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
     return seqs
 
 
+def paged(seqs: list, page_size: int) -> list[ScheduledSeq]:
+    """`seqs` scheduled on consecutive pages of a pool, nothing cached."""
+    entries, next_page = [], 0
+    for seq in seqs:
+        n = pages_needed(len(seq.tokens), page_size)
+        entries.append(ScheduledSeq(seq, list(range(next_page, next_page + n))))
+        next_page += n
+    return entries
+
+
 def schedule(engine: Engine, bucket: int, rng):
     """What the scheduler hands build_batch for a full `bucket`: entries, labels, shape."""
     buckets = engine.runner.buckets
     seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng)
-    entries, next_page = [], 0
-    for seq in seqs:
-        n = pages_needed(len(seq.tokens), buckets.page_size)
-        entries.append(ScheduledSeq(seq, list(range(next_page, next_page + n))))
-        next_page += n
+    entries = paged(seqs, buckets.page_size)
     rows = sum(len(s.score_rows) for s in seqs)
     labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
     shape = buckets.shape(sum(len(s.tokens) for s in seqs), rows, len(seqs))

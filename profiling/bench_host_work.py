@@ -25,11 +25,9 @@ import tempfile
 import numpy as np
 from absl import app, flags, logging
 
-from profiling.bench_forward import fill
+from profiling.bench_forward import fill, paged
 from profiling.bench_serving import TINY, tiny_checkpoint
 from profiling.timing import write_json
-from runtime.batch_builder import ScheduledSeq
-from runtime.buckets import pages_needed
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
@@ -91,16 +89,11 @@ def v6e_estimate_s(bucket: int, rng) -> float:
     """Qwen3-0.6B's forward of one bucket's requests, in bfloat16 on a v6e chip (a model)."""
     from profiling.forward_estimate import forward_estimate
     from profiling.tpu_compile import SIZED_MODELS
-    cfg = SIZED_MODELS["Qwen3-0.6B"]
-    seqs = fill(bucket, min(64, bucket), min(256, bucket), cfg.vocab_size, rng)
-    entries, page = [], 0
-    for seq in seqs:
-        n = pages_needed(len(seq.tokens), 16)
-        entries.append(ScheduledSeq(seq, list(range(page, page + n))))
-        page += n
+    cfg, ec = SIZED_MODELS["Qwen3-0.6B"], bucket_config(bucket, "bfloat16")
+    seqs = fill(bucket, ec.max_seqs, ec.max_rows, cfg.vocab_size, rng)
     labels = [rng.integers(0, cfg.vocab_size, LABELS).tolist()] * sum(
         len(s.score_rows) for s in seqs)
-    return forward_estimate(cfg, bucket_config(bucket, "bfloat16"), entries, labels,
+    return forward_estimate(cfg, ec, paged(seqs, ec.page_size), labels,
                             with_lse=True)["v6e_estimate_s"]
 
 

@@ -35,7 +35,7 @@ from absl import app, flags
 from model.tokenizer import TextTokenizer
 from profiling import random_checkpoint
 from profiling.random_checkpoint import SPECIAL_TOKENS
-from profiling.score_client import ConnectionPool
+from profiling.score_client import ConnectionPool, server_vocab
 from profiling.server_process import running_server
 from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
@@ -171,13 +171,6 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
         counts = np.histogram(times[(times >= 0) & (times < seconds)], edges)[0]
         row["items_per_s_by_window"] = (counts * SHAPE["num_items"] / window).tolist()
     return row
-
-
-async def server_vocab(url: str) -> int:
-    pool = ConnectionPool(url)
-    vocab = (await pool.get_json("/get_model_info"))["vocab_size"]
-    pool.close()
-    return vocab
 
 
 def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0) -> dict:

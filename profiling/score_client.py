@@ -61,6 +61,14 @@ class ConnectionPool:
         self._idle.clear()
 
 
+async def server_vocab(url: str) -> int:
+    """The vocabulary size of the model a server at `url` serves."""
+    pool = ConnectionPool(url)
+    vocab = (await pool.get_json("/get_model_info"))["vocab_size"]
+    pool.close()
+    return vocab
+
+
 async def _exchange(reader, writer, data: bytes) -> tuple[Answer, bool]:
     writer.write(data)
     await writer.drain()

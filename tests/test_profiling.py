@@ -257,7 +257,8 @@ ENTRY %main (p: f32[64]) -> f32[1,1000] {
 def test_bench_compare_measures_a_started_server(model_dirs):
     import asyncio
 
-    from profiling.bench_compare import serve_shape, server_vocab, shape_requests
+    from profiling.bench_compare import serve_shape, shape_requests
+    from profiling.score_client import server_vocab
     from profiling.server_process import running_server
     args = "--max-prefill-tokens 64 --max-seqs 8 --max-rows 64 --page-size 8 --skip-warmup"
     with running_server(model_dirs["llama"], args) as (url, devices, start_s, _):
