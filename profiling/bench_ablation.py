@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from model.batch import pack
 from model.decoder import model_kernels
 from profiling.bench_forward import (
     bucket_batch,
@@ -103,7 +104,7 @@ class PoolChain:
         self.params, self.cache = runner.params, jax.tree.map(jnp.copy, runner.cache)
 
     def call(self, program, batch):
-        logits, lse, self.cache = program(self.params, self.cache, batch)
+        logits, lse, self.cache = program(self.params, self.cache, pack(batch))
         return logits, lse
 
 

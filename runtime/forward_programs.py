@@ -1,6 +1,7 @@
 """The compiled forwards of one device group: one program per BatchShape (whether to compute
 the logsumexp is the batch's choice, at run time), compiled ahead of time and explicitly, so
-every compilation is counted and a batch never silently retraces.
+every compilation is counted and a batch never silently retraces. A program takes the params,
+the KV pool (donated) and the batch packed into one vector (model.batch.pack).
 
 Built from placed arrays (ModelRunner) or from the model's shapes alone (`abstract_programs`),
 the lowering is the same: a program compiled here for a deviceless TPU topology is the one a
@@ -20,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.backends import KernelSet
-from model.batch import KVCache
+from model.batch import KVCache, pack, unpack
 from model.config import ModelConfig
 from model.decoder import kv_pool_shape, score_forward
 from model.loader import DTYPES
@@ -123,13 +124,16 @@ class ForwardPrograms:
             score_forward, cfg=self.cfg, max_q_len=shape.tokens, backend=self.backend,
             sizes=self.buckets.sizes, shards=self.shards, kernels=kernels)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
-        batch = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
-                            self.buckets.sizes)
-        replicated = NamedSharding(self.mesh, P())
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            np.shape(x), np.asarray(x).dtype, sharding=replicated), batch)
+        like = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
+                           self.buckets.sizes)
+
+        def packed_forward(params, cache, packed):
+            return sharded(params, cache, unpack(packed, like))
+        packed = jax.ShapeDtypeStruct(pack(like).shape, np.int32,
+                                      sharding=NamedSharding(self.mesh, P()))
         with jax.default_matmul_precision(matmul_precision(self._cache.k.dtype)):
-            return jax.jit(sharded, donate_argnums=1).lower(self._params, self._cache, batch)
+            return jax.jit(packed_forward, donate_argnums=1).lower(self._params, self._cache,
+                                                                   packed)
 
     def get(self, shape: BatchShape) -> jax.stages.Compiled:
         if shape not in self._programs:

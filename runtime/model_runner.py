@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from kernels.attention_plan import BlockSizes
-from model.batch import ForwardBatch, KVCache
+from model.batch import ForwardBatch, KVCache, pack
 from model.config import ModelConfig
 from model.decoder import empty_cache
 from model.params import per_layer_matrices
@@ -77,7 +77,7 @@ class ModelRunner:
             program = self.programs.get(shape)
             if self._publish is not None:
                 self._publish(shape, batch)
-            logits, lse, self.cache = program(self.params, self.cache, batch)
+            logits, lse, self.cache = program(self.params, self.cache, pack(batch))
         except BaseException:
             self._restore_cache()
             raise

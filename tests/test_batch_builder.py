@@ -1,8 +1,13 @@
 """Padded batches: the token buckets, the whole pages new K/V fill, and the real counts the
 kernels loop over."""
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
+from kernels.attention_plan import BlockSizes
+from model.batch import pack, unpack
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import ShapeBuckets
 from runtime.packing import causal_sequence, multi_item_sequence
@@ -38,6 +43,24 @@ def test_cached_tokens_must_be_whole_pages():
 def test_an_empty_batch_writes_nothing():
     batch = build_batch([], [], BUCKETS.shape(16), PAGE, NUM_PAGES)
     assert (batch.kv_pages == NUM_PAGES).all() and int(batch.num_labels) == 0
+
+
+def test_a_packed_batch_unpacks_in_a_program_to_the_same_arrays():
+    sizes = BlockSizes(16, 16, 8, 16)
+    query = multi_item_sequence(list(range(20)), [[1, 2], [3, 4, 5]])
+    shape = dataclasses.replace(BUCKETS, sizes=sizes).shape(25 + 5, 3, 2)
+    batch = build_batch([ScheduledSeq(query, [7, 3, 9, 12]),
+                         ScheduledSeq(causal_sequence([5] * 5), [30])],
+                        [[1, 2], [3], [4, 5, 6]], shape, PAGE, NUM_PAGES, sizes, True)
+    like = build_batch([], [], shape, PAGE, NUM_PAGES, sizes)
+    got = jax.jit(lambda packed: unpack(packed, like))(pack(batch))
+    assert jax.tree.structure(got) == jax.tree.structure(batch)
+    for want, have in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
+        assert have.dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(have, want)
+    assert bool(got.with_logsumexp) and batch.attention.plan.items is not None
+    with pytest.raises(ValueError, match=r"packed batch of shape \(3,\)"):
+        unpack(np.zeros(3, np.int32), like)
 
 
 def test_token_buckets_waste_at_most_a_fifth_from_256_tokens_and_a_third_below():

@@ -94,6 +94,7 @@ def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
     """On CPU the forward is compiled with runtime.forward_programs.COMPILER_OPTIONS: no
     YNNPACK fusions, which XLA's defaults make of the same program; the results agree."""
 
+    from model.batch import pack
     from model.decoder import empty_cache
     runner = engines["qwen3"].runner
     batch, shape = _forward_batch(engines["qwen3"], 64)
@@ -103,7 +104,7 @@ def test_cpu_forwards_use_xlas_own_dots_and_score_as_with_the_defaults(engines):
     # each on a pool of its own: the batch's pages are not the engine's to write
     got, want = (program(runner.params, empty_cache(runner.cfg, runner.num_pages,
                                                     runner.buckets.page_size, jnp.float32,
-                                                    "xla"), batch)
+                                                    "xla"), pack(batch))
                  for program in (ours, defaults))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # label logits
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)  # logsumexp
