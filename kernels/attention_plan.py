@@ -44,12 +44,12 @@ class BlockSizes:
 # us on 10 / 64 / 256 items and 360 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
 # 16), against 11 / 47 / 185 / 357 us at 512/256 and 11 / 48 / 224 / 367 us at 256/512; the
 # whole forward is as fast or faster than at 128/512 in 5 of 6 (model, bucket) pairs, at most
-# 2% slower (README, "Estimated on v6e").
+# 2% slower (docs/tpu_v6e.md, "Estimated on v6e from the compiled schedule").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
 # loop test read back by the host, whatever its size, so steps there are few and large. On
 # CPU, item steps of 16 x 32 take the items off the q blocks of 128 x 128, which then see the
 # query only: a forward on SGLang's shape takes 0.93-0.97 of the time it took with 64 x 128
-# and no item steps, from 256 to 2048 tokens (README, "Forward per bucket").
+# and no item steps, from 256 to 2048 tokens (docs/performance_cpu.md, "Forward per bucket").
 _DEFAULT_BLOCKS = {"TPU v6 lite": (256, 256), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
                    "TPU v4": (128, 256), "xla cpu": (128, 128, 16, 32), "xla gpu": (512, 1024)}
 _INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small

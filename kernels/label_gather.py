@@ -14,10 +14,10 @@ from kernels.rms_norm import rms_norm
 
 # With the logsumexp every row block reads the whole head, as vocabulary-major logits
 # [V, rows] (head . x^T): on CPU (XLA's Eigen dots, runtime.forward_programs) x . head^T took
-# 4x as long at 2-6 rows (README, "Forward per bucket"). Each block size is code of its own,
-# 0.4 s of a program's compile on CPU: one row alone, a few rows in a block of 16, and more
-# in a loop over blocks of 48, where a block of SmolLM2's head costs 0.58 ms a row (0.88 at
-# 16 rows).
+# 4x as long at 2-6 rows (docs/performance_cpu.md, "Forward per bucket"). Each block size is
+# code of its own, 0.4 s of a program's compile on CPU: one row alone, a few rows in a block
+# of 16, and more in a loop over blocks of 48, where a block of SmolLM2's head costs 0.58 ms a
+# row (0.88 at 16 rows).
 ROW_BLOCK, TAIL_BLOCKS = 48, (1, 16)
 
 

@@ -16,7 +16,7 @@ that label k is a dynamic index Mosaic accepts and padded labels cost nothing.
   max/sum gives the logsumexp and label columns are picked inside each tile by comparing
   column ids with the label ids (no dynamic gather). Columns past V are masked. A call takes
   at most _STREAM_LABELS labels, and its VMEM stays within v6e's 32 MiB scoped limit up to
-  hidden 16384 in bfloat16 (README, "Compiled for TPU v6e").
+  hidden 16384 in bfloat16 (docs/tpu_v6e.md, "Compiled for TPU v6e").
 """
 import functools
 
@@ -29,7 +29,7 @@ from kernels.label_gather import check_gather_shapes
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import LANES, SUBLANES
 
-_CHUNK_TILES = 8  # labels only: head tiles per chunk (README, "Label gather")
+_CHUNK_TILES = 8  # labels only: head tiles per chunk (docs/kernels.md, "Label gather")
 _LABEL_ROWS = 256  # labels only: rows per grid step, on lanes
 _HEAD_TILE_BYTES = 4 << 20  # streamed: one vocabulary tile of the head (double-buffered)
 _STREAM_LABELS = 64  # streamed: labels of one kernel call (VMEM, see _by_label_groups)

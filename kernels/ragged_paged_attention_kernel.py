@@ -11,7 +11,7 @@ time, its GQA group of query heads stacked as rows. Scores are laid out keys by 
 ([kv_block, rows]): the reductions over keys then run across vregs and sublanes instead of
 across lanes, which in the compiled v6e schedule cut a step by a fifth; and the next two
 heads' scores are computed before a head's softmax, which cut it by a fifth again
-(profiling.tpu_schedule; README).
+(profiling.v6e.schedule; docs/tpu_v6e.md).
 """
 import functools
 import math
@@ -77,7 +77,8 @@ def _online_softmax_update(s, v, m_ref, l_ref, acc_ref, h):
 def _kv_heads(q_ref, k_all, v_all, bias, scale, m_ref, l_ref, acc_ref):
     """One step over every KV head, the scores of the next _SCORES_AHEAD heads computed
     before this head's softmax: the heads are independent, and in the compiled schedule the
-    MXU then works while the VPU does a softmax (README, "Estimated on v6e")."""
+    MXU then works while the VPU does a softmax (docs/tpu_v6e.md, "Estimated on v6e from the
+    compiled schedule")."""
     n_heads, kv_block = k_all.shape[1], k_all.shape[0] * k_all.shape[2]
     d = k_all.shape[-1]
     group = q_ref.shape[1] // (n_heads * d)

@@ -42,7 +42,7 @@ def _window_kv(pages_of_seq, start, width, k_pages, v_pages, layer):
 def _row_reduce(op, x, fold: int = 16):
     """op over the last axis. XLA's CPU backend reduces a minor axis at a third of the speed of
     an elementwise pass, so the columns are first folded `fold` wide by elementwise ops: a
-    step's max and sum then take 0.6 of the time (README, "Forward per bucket")."""
+    step's max and sum then take 0.6 of the time (docs/performance_cpu.md, "Forward per bucket")."""
     if x.shape[-1] % fold:
         return op.reduce(x, axis=-1)
     parts = [x[..., i:i + fold] for i in range(0, x.shape[-1], fold)]

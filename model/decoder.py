@@ -5,7 +5,7 @@ The layers' weights are stacked and scanned, so compile time does not grow with 
 CPU, the matrices are one array per layer, [out, in], and a switch in the scan picks them).
 Activations are token-major, [tokens, features], except in CPU programs of up to
 FEATURE_MAJOR_MAX_TOKENS tokens, which keep them feature-major, [features, tokens], around
-the dots (README, "Forward per bucket").
+the dots (docs/performance_cpu.md, "Forward per bucket").
 """
 import functools
 from typing import Callable
@@ -129,7 +129,8 @@ def _qkv_feature_major(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
     """The bias, q/k norms and RoPE run in the dot's branch on the heads [H, D, T], and what
     leaves the branch is only transposed: XLA CPU transposes as fast as it copies, but a
     transpose fused with RoPE ran element by element (1 ms a layer for a 512-token q, where
-    the branch's RoPE and the transpose take 0.1 ms; README, "Forward per bucket")."""
+    the branch's RoPE and the transpose take 0.1 ms; docs/performance_cpu.md, "Forward per
+    bucket")."""
     heads = _heads_epilogue(cfg.head_dim, cfg.rms_norm_eps)
 
     def project(name, bias, norm=None, tables=(None, None)):
@@ -166,7 +167,7 @@ def _mlp(dot: Dot, h, shards: ShardPlan, feature_major: bool):
 
 def _silu(x):
     """x * sigmoid(x) as x / (1 + exp(-x)): XLA CPU's logistic takes twice as long
-    (README, "Forward per bucket")."""
+    (docs/performance_cpu.md, "Forward per bucket")."""
     return x / (1 + jnp.exp(-x))
 
 
@@ -177,7 +178,8 @@ def _pad_head_dim(x, width: int):
 
 def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
     """Feature-major, the statistics reduce over the major axis: XLA CPU transposed the
-    activations to reduce over the minor one, twice the time (README, "Forward per bucket")."""
+    activations to reduce over the minor one, twice the time (docs/performance_cpu.md,
+    "Forward per bucket")."""
     if feature_major:
         return rms_norm(x, weight[:, None], cfg.rms_norm_eps, axis=0)
     return rms_norm(x, weight, cfg.rms_norm_eps)

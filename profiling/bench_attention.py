@@ -9,7 +9,7 @@ Heads default to Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128), bfloat16
 inputs from seed 0. Timing: with the Pallas kernel, its device time from a jax.profiler trace;
 otherwise wall clock of the jitted call after block_until_ready, median of repeats, after a
 warm-up call. `xla` is the planned loop the server runs off TPU; `reference` computes every
-masked pair. The estimate (`profiling.tpu_schedule`, a model: no TPU ran it) compiles the
+masked pair. The estimate (`profiling.v6e.schedule`, a model: no TPU ran it) compiles the
 Pallas kernel for v6e at the same block sizes and counts the plan's real steps, the once-per-q-
 block spans (the first step's init, the last step's store) weighted by how often they run.
 With the 4k causal shape, the same estimate of JAX's own ragged_paged_attention
@@ -37,10 +37,10 @@ from kernels.backends import KERNEL_BACKENDS, select_kernels
 from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from profiling.kernel_estimates import attention_estimate
-from profiling.roofline import roofline
+from profiling.v6e.kernel_estimates import attention_estimate
+from profiling.v6e.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
-from profiling.tpu_schedule import compile_schedules, estimate_seconds
+from profiling.v6e.schedule import compile_schedules, estimate_seconds
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.cli_flags import parse_flags
@@ -212,7 +212,7 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
     timing = TRACE_DEVICE_TIME if backend == "pallas" else WALL_CLOCK
     return {"backend": backend, "device": device, "heads": dataclasses.asdict(heads),
             "block_sizes": dataclasses.asdict(sizes), "dtype": "bfloat16", "timing": timing,
-            "estimate": "v6e, from the compiled schedule (profiling.tpu_schedule): a model"
+            "estimate": "v6e, from the compiled schedule (profiling.v6e.schedule): a model"
             if estimate else None, "shapes": rows, "jax_kernel_causal_4096": peer}
 
 

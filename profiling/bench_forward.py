@@ -23,7 +23,7 @@ Per bucket it also reports:
   (a forward against the matmul timed just after it), and the best of rounds (the fastest
   forward against the fastest matmul: what a quiet spell of the machine gives);
 - with --estimate: the same batch on one v6e chip in bfloat16, estimated from the compiled
-  program's schedule (profiling.forward_estimate: a model, no TPU ran it), per level of the
+  program's schedule (profiling.v6e.forward_estimate: a model, no TPU ran it), per level of the
   program (outside the layer loop, one layer), beside the roofline of its work.
 """
 import dataclasses
@@ -42,8 +42,8 @@ from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.ragged_paged_attention_xla import block_rows
 from model.config import ModelConfig
-from profiling.forward_estimate import forward_estimate, v6e_batch
-from profiling.roofline import roofline
+from profiling.v6e.forward_estimate import forward_estimate, v6e_batch
+from profiling.v6e.roofline import roofline
 from profiling.timing import WALL_CLOCK, interleaved_rounds, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
@@ -69,7 +69,7 @@ def define_flags() -> None:
                          "default); a forward's time must not grow with it")
     flags.DEFINE_integer("repeats", 3, "timed forwards per bucket")
     flags.DEFINE_bool("estimate", True, "add the v6e estimate of the same batch in bfloat16, "
-                      "from the compiled program's schedule (profiling.forward_estimate)")
+                      "from the compiled program's schedule (profiling.v6e.forward_estimate)")
     flags.DEFINE_string("trace_dir", None, "write a jax.profiler trace per bucket here")
     flags.DEFINE_integer("reference_matmul", 4096, "n of the yardstick's n^3 float32 matmul")
     flags.DEFINE_string("out", None, "write the results as JSON here")
@@ -217,9 +217,10 @@ def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entri
     estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
     bound = roofline(*work(cfg, params, batch, tokens, len(labels), sizes, with_lse, 2,
-                           "pallas"), None)["v6e_roofline_s"]
-    return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound,
-            "fraction_of_roofline": bound / estimate["v6e_estimate_s"],
+                           "pallas"), None)
+    return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound["v6e_roofline_s"],
+            "flops": bound["flops"], "hbm_bytes": bound["hbm_bytes"],
+            "fraction_of_roofline": bound["v6e_roofline_s"] / estimate["v6e_estimate_s"],
             "block_sizes": estimate["block_sizes"], "levels": estimate["levels"],
             "kernels": estimate["kernels"]}
 

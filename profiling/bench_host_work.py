@@ -13,7 +13,7 @@ tokens, 2 labels, each request its own query) that fill one forward each. Host w
 scheduler thread's CPU time on a forward (forming it, building its batch and attention plan,
 dispatching it, reading and answering its results; time.thread_time, so waiting for the
 device is not counted), the median over `forwards` forwards. Beside it, the v6e estimate (a
-model, no TPU ran it: profiling.forward_estimate) of Qwen3-0.6B in bfloat16 on the same batch.
+model, no TPU ran it: profiling.v6e.forward_estimate) of Qwen3-0.6B in bfloat16 on the same batch.
 """
 import collections
 import json
@@ -87,8 +87,8 @@ def host_seconds(engine: Engine, bucket: int, forwards: int, rng,
 
 def v6e_estimate_s(bucket: int, rng) -> float:
     """Qwen3-0.6B's forward of one bucket's requests, in bfloat16 on a v6e chip (a model)."""
-    from profiling.forward_estimate import forward_estimate
-    from profiling.tpu_compile import SIZED_MODELS
+    from profiling.v6e.forward_estimate import forward_estimate
+    from profiling.v6e.compile import SIZED_MODELS
     cfg, ec = SIZED_MODELS["Qwen3-0.6B"], bucket_config(bucket, "bfloat16")
     seqs = fill(bucket, ec.max_seqs, ec.max_rows, cfg.vocab_size, rng)
     labels = [rng.integers(0, cfg.vocab_size, LABELS).tolist()] * sum(

@@ -12,7 +12,7 @@ their labels, as a request's items do (one label run).
 Timing: on TPU the Pallas kernels' device time in a profiler trace (the baseline by wall
 clock); elsewhere wall clock after block_until_ready of the path the server runs there (the
 row-blocked XLA loop), median of repeats after a warm-up call. The v6e estimate of each
-kernel (`profiling.tpu_schedule`, a model: no TPU ran it) compiles it for v6e and counts its
+kernel (`profiling.v6e.schedule`, a model: no TPU ran it) compiles it for v6e and counts its
 grid steps, with its loops over labels run once per label.
 """
 import jax
@@ -29,10 +29,10 @@ from kernels.label_gather_kernel import (
     streamed_row_block,
 )
 from kernels.tpu_tiles import lane_aligned
-from profiling.kernel_estimates import GATHER_KERNELS, label_gather_estimate
-from profiling.roofline import roofline
+from profiling.v6e.kernel_estimates import GATHER_KERNELS, label_gather_estimate
+from profiling.v6e.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
-from profiling.tpu_schedule import compile_schedules
+from profiling.v6e.schedule import compile_schedules
 from runtime.cli_flags import parse_flags
 
 FLAGS = flags.FLAGS
@@ -147,7 +147,7 @@ def run(vocabs: list[int], rows_list: list[int], hidden: int, labels: int, repea
             "measured": "Pallas kernels" if tpu else "XLA paths (the kernels need a TPU)",
             "timing": f"kernels: {TRACE_DEVICE_TIME}; baseline: {WALL_CLOCK}" if tpu
             else WALL_CLOCK, "estimate": "v6e, from the compiled schedules "
-            "(profiling.tpu_schedule): a model" if estimate else None, "cases": cases}
+            "(profiling.v6e.schedule): a model" if estimate else None, "cases": cases}
 
 
 def main(argv) -> None:

@@ -22,9 +22,9 @@ import time
 
 from absl import app, flags
 
-from profiling.roofline import roofline
+from profiling.v6e.roofline import roofline
 from profiling.timing import write_json
-from profiling.tpu_compile import SIZED_MODELS, V6E_HBM_BYTES, hbm_bytes, v6e_devices, xla_costs
+from profiling.v6e.compile import SIZED_MODELS, V6E_HBM_BYTES, hbm_bytes, v6e_devices, xla_costs
 from runtime.cli_flags import parse_flags
 from runtime.engine_config import EngineConfig
 from runtime.forward_programs import server_programs

@@ -117,7 +117,7 @@ def write_checkpoint(model_dir: str, hf: dict, seed: int = 0, std: float = 0.2,
 
 def main(argv) -> None:
     del argv
-    from profiling.tpu_compile import SIZED_MODELS
+    from profiling.v6e.compile import SIZED_MODELS
     if FLAGS.model not in SIZED_MODELS:
         raise app.UsageError(f"--model {FLAGS.model!r} is not one of {list(SIZED_MODELS)}")
     print(write_checkpoint(FLAGS.out, config_json(SIZED_MODELS[FLAGS.model]), FLAGS.seed,
@@ -125,7 +125,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    flags.DEFINE_string("model", "Qwen3-0.6B", "a size of profiling.tpu_compile.SIZED_MODELS")
+    flags.DEFINE_string("model", "Qwen3-0.6B", "a size of profiling.v6e.compile.SIZED_MODELS")
     flags.DEFINE_string("out", None, "checkpoint directory to write", required=True)
     flags.DEFINE_integer("seed", 0, "random seed of the weights")
     app.run(main, flags_parser=parse_flags)

@@ -15,7 +15,7 @@ from tests.tiny_models import FAMILIES, small_config, write_checkpoint
 def pytest_configure(config):
     """Before any test module is imported, and JAX's backend with it: eight CPU devices for the
     tensor and data parallel tests. The compile tests open libtpu for a deviceless TPU topology
-    (profiling.tpu_compile); libtpu allows one process at a time unless told otherwise, and the
+    (profiling.v6e.compile); libtpu allows one process at a time unless told otherwise, and the
     suite's subprocesses (servers, multi-host nodes) load it too. There is no TPU here for two
     processes to contend for."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -27,7 +27,7 @@ from kernels.ragged_paged_attention import (
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import block_rows, ragged_paged_attention_xla
 from model.decoder import pool_head_dim
-from profiling.tpu_compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
+from profiling.v6e.compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
 from tests.attention_cases import random_batch
 from tests.plan_reference import plan_steps
 

@@ -1,7 +1,7 @@
 """Property-based fuzz of the server: any JSON body and any bytes on the socket get well-formed
 HTTP answers with a 2xx or 4xx status, and the server keeps serving.
 
-The suite runs 300 examples of each; the long run (README, "Fuzzing") sets
+The suite runs 300 examples of each; the long run (docs/correctness.md, "Fuzzing") sets
 JAX_SCORE_FUZZ_EXAMPLES=10000 and --hypothesis-show-statistics, which lists the statuses seen."""
 import json
 import math

@@ -9,7 +9,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.ragged_paged_attention import write_kv_pages
 from model.decoder import pool_head_dim
-from profiling.tpu_compile import (
+from profiling.v6e.compile import (
     SIZED_MODELS,
     compile_for_v6e,
     hbm_bytes,

@@ -19,7 +19,7 @@ from kernels.label_gather_kernel import (
     label_runs,
     label_tiles_pay,
 )
-from profiling.tpu_compile import compile_for_v6e, mosaic_kernels
+from profiling.v6e.compile import compile_for_v6e, mosaic_kernels
 
 CASES = [  # (rows, labels, vocab, with_logsumexp, dtype)
     (1, 1, 49152, True, jnp.float32), (7, 16, 151936, True, jnp.float32),

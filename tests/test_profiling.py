@@ -357,7 +357,7 @@ def test_random_checkpoint_of_each_sized_model_has_its_config(tmp_path):
     from model.config import config_from_hf
     from model.loader import load_model
     from profiling.random_checkpoint import config_json, write_checkpoint
-    from profiling.tpu_compile import SIZED_MODELS
+    from profiling.v6e.compile import SIZED_MODELS
     for cfg in SIZED_MODELS.values():
         assert config_from_hf(config_json(cfg)) == cfg
     small = dataclasses.replace(SIZED_MODELS["Qwen3-0.6B"], vocab_size=512, hidden_size=64,
@@ -443,3 +443,46 @@ def test_bench_host_work_times_the_schedulers_cpu_per_forward(tmp_path):
     result = run(tiny_checkpoint(str(tmp_path / "tiny")), [128], forwards=4, estimate=False)
     (row,) = result["buckets"]
     assert row["bucket"] == 128 and row["forwards"] >= 4 and row["host_ms_median"] > 0
+
+
+def test_figures_draws_the_roofline_and_the_comparison_from_study_outputs(tmp_path):
+    """Study JSON in, PNG files out: the estimated points sit where their FLOPs, bytes and
+    times put them, and the recorded comparisons in docs/figures/data read as the studies
+    write them."""
+    import glob
+    import pathlib
+
+    from profiling import figures
+    forward = {"model": "llama", "buckets": [
+        {"bucket": 128, "v6e_estimate": {"flops": 2e11, "hbm_bytes": 4e8, "seconds": 1e-3}},
+        {"bucket": 512, "v6e_estimate": None}]}
+    attention = {"shapes": {"mis_120q_10x18": {"flops": 1.6e9, "hbm_bytes": 9.4e6,
+                                               "v6e_estimate_s": 1.3e-5},
+                            "causal_4096": {"flops": 7.3e10, "hbm_bytes": 1.8e8,
+                                            "v6e_estimate_s": 3.6e-4},
+                            "mis_120q_64x18": {"flops": 9.1e9, "hbm_bytes": 4.6e7}}}
+    label_gather = {"cases": [
+        {"vocab": 151936, "rows": 8, "modes": {"rows": {"flops": 1e6, "hbm_bytes": 1e5,
+                                                        "v6e_estimate_s": 1e-6}}},
+        {"vocab": 151936, "rows": 256, "modes": {
+            "rows": {"flops": 2e7, "hbm_bytes": 6e5, "v6e_estimate_s": 8e-7},
+            "streamed": {"flops": 8e10, "hbm_bytes": 3e8}}}]}
+    points = figures.roofline_points(forward, attention, label_gather)
+    assert [(p["label"], p["kind"]) for p in points] == [
+        ("128 tokens", "whole forward"), ("10 items", "attention kernel"),
+        ("4096 causal", "attention kernel"), ("rows, 256 rows", "label gather")]
+    assert points[0]["flops"] / points[0]["s"] == 2e14
+    recorded = sorted(glob.glob(str(pathlib.Path(__file__).parent.parent / "docs" / "figures"
+                                    / "data" / "compare_*.json")))
+    assert len(recorded) == 4
+    series = {}
+    for path in recorded:
+        with open(path) as f:
+            result = json.load(f)
+        ratios = figures.speedups(result)
+        assert len(ratios) == 9 and all(r > 1 for r in ratios.values())
+        series[figures.series_label(result, path)] = ratios
+    figures.draw_roofline(points, "test", str(tmp_path / "roofline.png"))
+    figures.draw_against_hf(series, str(tmp_path / "hf.png"))
+    for name in ("roofline.png", "hf.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

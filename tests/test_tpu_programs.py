@@ -13,7 +13,7 @@ import functools
 import jax
 import pytest
 
-from profiling.tpu_compile import (
+from profiling.v6e.compile import (
     SIZED_MODELS,
     V6E_HBM_BYTES,
     hbm_bytes,

@@ -3,8 +3,8 @@ real compiler's schedules of kernels whose work is known."""
 import pytest
 
 from kernels.label_gather_kernel import streamed_cost
-from profiling.kernel_estimates import label_gather_estimate
-from profiling.tpu_schedule import (
+from profiling.v6e.kernel_estimates import label_gather_estimate
+from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
     KernelSchedule,
     V6E_HBM_BYTES_PER_S,
@@ -58,7 +58,7 @@ def test_compiled_kernels_dma_the_bytes_of_their_blocks():
     """A Pallas matmul and copy through the real compiler: a step's DMAs move exactly its
     blocks, the MXU work of a step grows with its K block, and a copy is DMA-bound."""
     blocks = [dict(m=512, k=2048, n=512, bm=256, bk=bk, bn=256) for bk in (512, 1024)]
-    matmuls = compile_schedules("profiling.calibrate_v6e:pallas_matmul", blocks)
+    matmuls = compile_schedules("profiling.v6e.calibrate:pallas_matmul", blocks)
     mxu = []
     for case, result in zip(blocks, matmuls):
         s = result["kernels"]["calibration_matmul"]
@@ -67,7 +67,7 @@ def test_compiled_kernels_dma_the_bytes_of_their_blocks():
         assert s.step_units["eup"] == 0 and s.prologue + s.epilogue < s.step
         mxu.append(s.step_units["mxu"])
     assert 1.8 < mxu[1] / mxu[0] < 2.2, mxu
-    (copy,) = compile_schedules("profiling.calibrate_v6e:pallas_copy",
+    (copy,) = compile_schedules("profiling.v6e.calibrate:pallas_copy",
                                 [dict(rows=4096, cols=1024, block_rows=512)])
     s = copy["kernels"]["calibration_copy"]
     assert s.step_hbm_dma_bytes == 2 * 512 * 1024 * 4
@@ -92,7 +92,7 @@ def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
 def test_calibration_matmuls_agree_with_the_clock():
     """The clock constant holds for the first calibration matmul (each takes 10 s to compile
     twice): XLA's estimate for the dot and the kernel's bundles at V6E_CLOCK_HZ within 10%."""
-    from profiling.calibrate_v6e import MATMULS, matmul_rows
+    from profiling.v6e.calibrate import MATMULS, matmul_rows
     for row in matmul_rows(MATMULS[:1]):
         assert row["bundles"] / V6E_CLOCK_HZ == pytest.approx(row["xla_optimal_s"], rel=0.1)
 
@@ -154,13 +154,13 @@ def test_jax_ragged_paged_attention_goes_through_the_same_estimate():
 def test_xla_prices_a_loop_body_once_and_a_pallas_call_by_its_cost_estimate():
     """Why the forward's estimate reads the whole program's schedule: XLA's cost_analysis()
     prices a 6-step loop of dots as one dot, and a Pallas call as the larger of its
-    CostEstimate's FLOPs and bytes at XLA's rates (the figures profiling.tpu_compile keeps)."""
+    CostEstimate's FLOPs and bytes at XLA's rates (the figures profiling.v6e.compile keeps)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    from profiling.calibrate_v6e import xla_dot, xla_dot_loop
-    from profiling.tpu_compile import compile_for_v6e, xla_costs, xla_priced_s
+    from profiling.v6e.calibrate import xla_dot, xla_dot_loop
+    from profiling.v6e.compile import compile_for_v6e, xla_costs, xla_priced_s
     loop, one = (xla_costs(compile_for_v6e(fn, *args))
                  for fn, args in (xla_dot_loop(512, 512, 512, 6), xla_dot(512, 512, 512)))
     assert loop["flops"] == one["flops"] == 2 * 512 ** 3
@@ -180,8 +180,8 @@ def test_xla_prices_a_loop_body_once_and_a_pallas_call_by_its_cost_estimate():
 def test_a_programs_layer_loop_runs_its_trips():
     """The whole-program reading: the level holding the loop's dot runs once per layer, so the
     estimate grows by one level per layer (XLA's own stays flat)."""
-    from profiling.program_schedule import level_from_json, program_seconds
-    results = compile_schedules("profiling.calibrate_v6e:xla_dot_loop",
+    from profiling.v6e.program_schedule import level_from_json, program_seconds
+    results = compile_schedules("profiling.v6e.calibrate:xla_dot_loop",
                                 [dict(m=1024, k=1024, n=1024, layers=n) for n in (3, 6)],
                                 program=True)
     levels = [[level_from_json(x) for x in r["levels"]] for r in results]
@@ -204,7 +204,7 @@ def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
 
     from model.params import param_shapes
     from profiling.bench_forward import fill, v6e_estimate
-    from profiling.tpu_compile import SIZED_MODELS
+    from profiling.v6e.compile import SIZED_MODELS
     from runtime.batch_builder import ScheduledSeq
     from runtime.buckets import pages_needed
     from runtime.engine_config import EngineConfig

@@ -1,6 +1,6 @@
 """The scoring forward's v6e estimate from its compiled schedule: the server's program for a
-batch's bucket, compiled for one v6e chip, read level by level (profiling.program_schedule),
-with each Pallas kernel priced at the batch's real work (profiling.kernel_estimates). A model:
+batch's bucket, compiled for one v6e chip, read level by level (profiling.v6e.program_schedule),
+with each Pallas kernel priced at the batch's real work (profiling.v6e.kernel_estimates). A model:
 no TPU ran it.
 """
 import dataclasses
@@ -18,16 +18,16 @@ from kernels.label_gather_kernel import (
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from model.decoder import pool_head_dim
-from profiling.kernel_estimates import (
+from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
     attention_estimate,
     kv_write_estimate,
     label_gather_estimate,
     label_run_count,
 )
-from profiling.program_schedule import level_from_json, program_seconds
-from profiling.tpu_compile import v6e_devices
-from profiling.tpu_schedule import compile_schedules
+from profiling.v6e.program_schedule import level_from_json, program_seconds
+from profiling.v6e.compile import v6e_devices
+from profiling.v6e.schedule import compile_schedules
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape
 from runtime.engine_config import EngineConfig
@@ -62,7 +62,7 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
     shape, batch, sizes = built or v6e_batch(cfg, engine_cfg, entries, labels)
     case = dict(model=dataclasses.asdict(cfg), engine=dataclasses.asdict(engine_cfg),
                 shape=dataclasses.asdict(shape))
-    (result,) = compile_schedules("profiling.forward_estimate:program_case", [case],
+    (result,) = compile_schedules("profiling.v6e.forward_estimate:program_case", [case],
                                   program=True)
     kernels = _kernel_estimates(cfg, shape, batch, sizes, engine_cfg.page_size,
                                 result["kernels"], labels, with_lse)

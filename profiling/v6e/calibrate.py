@@ -1,8 +1,8 @@
-"""Calibrating the static v6e cost model (`profiling.tpu_schedule`) on kernels whose answer is
+"""Calibrating the static v6e cost model (`profiling.v6e.schedule`) on kernels whose answer is
 known: the clock from Pallas matmuls against XLA's own v6e estimate (`optimal_seconds`) for the
 same dot, and the DMA side from a copy kernel against the HBM bandwidth.
 
-python -m profiling.calibrate_v6e [--out calibration.json]
+python -m profiling.v6e.calibrate [--out calibration.json]
 Per matmul shape: the kernel's grid steps and bundles per step, XLA's estimate for `jnp.dot`
 on the same operands, and the clock that makes the two agree; the clock is their median and
 the calibration error the largest relative miss of the estimate at that clock. Per copy
@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from profiling.timing import write_json
-from profiling.tpu_schedule import V6E_HBM_BYTES_PER_S, compile_schedules, estimate_seconds
+from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, compile_schedules, estimate_seconds
 from runtime.cli_flags import parse_flags
 
 # (m, k, n) and (bm, bk, bn), bfloat16: MXU-bound blocks, from one grid step to hundreds.
@@ -89,8 +89,8 @@ def pallas_copy(rows: int, cols: int, block_rows: int):
 
 def matmul_rows(shapes=MATMULS) -> list[dict]:
     cases = [dict(m=m, k=k, n=n, bm=bm, bk=bk, bn=bn) for (m, k, n), (bm, bk, bn) in shapes]
-    kernels = compile_schedules("profiling.calibrate_v6e:pallas_matmul", cases)
-    dots = compile_schedules("profiling.calibrate_v6e:xla_dot",
+    kernels = compile_schedules("profiling.v6e.calibrate:pallas_matmul", cases)
+    dots = compile_schedules("profiling.v6e.calibrate:xla_dot",
                              [dict(m=c["m"], k=c["k"], n=c["n"]) for c in cases])
     rows = []
     for case, kernel, dot in zip(cases, kernels, dots):
@@ -108,7 +108,7 @@ def matmul_rows(shapes=MATMULS) -> list[dict]:
 def copy_rows(clock_hz: float) -> list[dict]:
     cases = [dict(rows=r, cols=c, block_rows=b) for (r, c), b in COPIES]
     rows = []
-    for case, result in zip(cases, compile_schedules("profiling.calibrate_v6e:pallas_copy",
+    for case, result in zip(cases, compile_schedules("profiling.v6e.calibrate:pallas_copy",
                                                      cases)):
         s = result["kernels"]["calibration_copy"]
         steps = case["rows"] // case["block_rows"]

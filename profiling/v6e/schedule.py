@@ -2,7 +2,7 @@
 
 The TensorCore issues one VLIW bundle per cycle, in order, and the compiler writes the final
 bundles of every Mosaic kernel out (`LIBTPU_INIT_ARGS=--xla_jf_dump_to=DIR`, read when libtpu
-starts: so the compile runs in a child process, `profiling.tpu_schedule_worker`). From that
+starts: so the compile runs in a child process, `profiling.v6e.schedule_worker`). From that
 listing, per kernel:
 - the grid-step loop (the outermost loop, `LB` at depth 1) and the bundles before (prologue)
   and after it (epilogue);
@@ -13,7 +13,7 @@ listing, per kernel:
   vector loads and stores, DMA, scalar) and the HBM bytes its DMAs move.
 
 The estimate, `estimate_seconds`, assumes:
-- one bundle per cycle at a fixed clock (calibrated by `profiling.calibrate_v6e`), with no
+- one bundle per cycle at a fixed clock (calibrated by `profiling.v6e.calibrate`), with no
   stall other than waiting for DMAs: the schedule already holds the MXU and EUP latencies;
 - a step's DMAs overlap the step's compute (the kernels double-buffer), so a step costs the
   larger of its bundles at the clock and its DMA bytes at the HBM bandwidth;
@@ -33,8 +33,8 @@ import sys
 import tempfile
 
 V6E_HBM_BYTES_PER_S = 1.64e12
-# Bundles per second: the median that `python -m profiling.calibrate_v6e` finds on five Pallas
-# matmuls against XLA's estimate for the same dots (1.63-1.81 GHz on four; see the README).
+# Bundles per second: the median that `python -m profiling.v6e.calibrate` finds on five Pallas
+# matmuls against XLA's estimate for the same dots (1.63-1.81 GHz on four; docs/tpu_v6e.md).
 V6E_CLOCK_HZ = 1.70e9
 DMA_GRANULE_BYTES = 32  # `size_in_granules` of a DMA: checked against block sizes in the tests
 
@@ -273,7 +273,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
     """Compile `builder(**case)` -> (fn, args) for one v6e chip in a child process whose libtpu
     dumps its schedules, one case after another. Per case: {"kernels": {name:
     KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds,
-    "levels": with `program`, the whole program's levels as JSON (profiling.program_schedule.
+    "levels": with `program`, the whole program's levels as JSON (profiling.v6e.program_schedule.
     level_from_json), else None}.
     `builder` is "module:function", importable from the repository root."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,7 +284,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
         out = os.path.join(tmp, "schedules.json")
         request = json.dumps({"builder": builder, "cases": cases, "dump_dir": f"{tmp}/dumps",
                               "out": out, "program": program})
-        done = subprocess.run([sys.executable, "-m", "profiling.tpu_schedule_worker"],
+        done = subprocess.run([sys.executable, "-m", "profiling.v6e.schedule_worker"],
                               input=request, text=True, capture_output=True, env=env,
                               timeout=timeout_s, cwd=_repository_root())
         if done.returncode != 0:

@@ -1,12 +1,12 @@
 """A whole TPU program's v6e estimate from its compiled schedule: the top-level program (`TLP`,
 the listing that holds the loops and issues the prefetch DMAs) and every fusion it calls, each
-a listing of bundles in the same dump as the Mosaic kernels' (`profiling.tpu_schedule`).
+a listing of bundles in the same dump as the Mosaic kernels' (`profiling.v6e.schedule`).
 
 Why not XLA's own `cost_analysis()`: it counts a while loop's body once, whatever its trips (the
 layer loop is priced as one layer), and a dynamic slice of stacked weights at the bytes of the
 whole stack (checked in tests/test_tpu_schedule.py).
 
-The estimate assumes, beyond `profiling.tpu_schedule`'s assumptions:
+The estimate assumes, beyond `profiling.v6e.schedule`'s assumptions:
 - a loop runs as often as its exit test's immediate bound says; a loop whose bound is runtime
   data runs once (reported as `unknown_loops`);
 - a loop of the TLP that calls nothing is the copy XLA emits for an argument the caller did not
@@ -23,7 +23,7 @@ import dataclasses
 import os
 import re
 
-from profiling.tpu_schedule import (
+from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
     V6E_HBM_BYTES_PER_S,
     Bundle,

@@ -1,4 +1,4 @@
-"""Child process of `profiling.tpu_schedule.compile_schedules`: started with libtpu told to dump
+"""Child process of `profiling.v6e.schedule.compile_schedules`: started with libtpu told to dump
 its schedules, it compiles each case for one v6e chip and writes what the dumps say.
 
 Reads a JSON request on stdin: {"builder": "module:function", "cases": [kwargs, ...],
@@ -13,9 +13,9 @@ import sys
 
 import jax
 
-from profiling.program_schedule import level_to_json, program_levels, read_listings
-from profiling.tpu_compile import compile_for_v6e, mosaic_kernels, xla_costs
-from profiling.tpu_schedule import read_dumps, schedule_to_json
+from profiling.v6e.program_schedule import level_to_json, program_levels, read_listings
+from profiling.v6e.compile import compile_for_v6e, mosaic_kernels, xla_costs
+from profiling.v6e.schedule import read_dumps, schedule_to_json
 
 
 def _compiled(built) -> jax.stages.Compiled:

@@ -1,5 +1,5 @@
 """Our Pallas kernels' v6e estimates at a batch's real work, from their compiled schedules
-(`profiling.tpu_schedule`: a model, no TPU ran them). Shared by the kernel studies and the
+(`profiling.v6e.schedule`: a model, no TPU ran them). Shared by the kernel studies and the
 forward's estimate, which compile the kernels in different programs.
 """
 from kernels.attention_plan import AttentionPlan, real_q_blocks
@@ -9,7 +9,7 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
-from profiling.tpu_schedule import KernelSchedule, estimate_seconds
+from profiling.v6e.schedule import KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
-from profiling.roofline import V6E_FLOPS
+from profiling.v6e.roofline import V6E_FLOPS
 from runtime.forward_programs import footprint
 
 V6E_HBM_BYTES = 32 * 2**30  # one v6e chip
