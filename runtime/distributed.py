@@ -1,9 +1,9 @@
 """Multi-host serving: one tensor-parallel mesh over the devices of every host (process).
 
 JAX runs a program over many processes only when each of them runs it. Node 0 serves HTTP and
-schedules; before each forward its runner broadcasts the step (the shape bucket, whether to
-compute the logsumexp, the batch) over every process's devices, and the other nodes, which
-only follow, run the same program on it. A stop step, sent when node 0 closes, ends them.
+schedules; before each forward its runner broadcasts the step (the shape bucket, then the
+batch packed in one vector, model.batch.pack, whether to compute the logsumexp included) over
+every process's devices, and the other nodes, which only follow, run the same program on it. A stop step, sent when node 0 closes, ends them.
 """
 import dataclasses
 import re
@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from model.batch import ForwardBatch
+from model.batch import ForwardBatch, pack, unpack
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape, ShapeBuckets
 
@@ -54,9 +54,10 @@ class StepChannel:
         self._empty = {}  # shape -> the padded batch the other nodes receive into
         self._empty_args = (buckets.page_size, num_pages, buckets.sizes)
 
-    def publish(self, shape: BatchShape, batch: ForwardBatch) -> None:
+    def publish(self, shape: BatchShape, packed: np.ndarray) -> None:
+        """`packed`: the batch, model.batch.pack'ed: one broadcast, not one an array."""
         self._header(_FORWARD, self.shapes.index(shape))
-        multihost_utils.broadcast_one_to_all(batch)
+        multihost_utils.broadcast_one_to_all(packed)
 
     def stop(self) -> None:
         self._header(_STOP, 0)
@@ -69,7 +70,8 @@ class StepChannel:
         shape = self.shapes[index]
         if shape not in self._empty:
             self._empty[shape] = build_batch([], [], shape, *self._empty_args)
-        return shape, multihost_utils.broadcast_one_to_all(self._empty[shape])
+        empty = self._empty[shape]
+        return shape, unpack(multihost_utils.broadcast_one_to_all(pack(empty)), empty)
 
     @staticmethod
     def _header(op: int, index: int) -> list[int]:

@@ -24,7 +24,7 @@ from model.sharding import (
 from runtime.buckets import BatchShape, ShapeBuckets
 from runtime.forward_programs import ForwardPrograms
 
-Publish = Callable[[BatchShape, ForwardBatch], None]
+Publish = Callable[[BatchShape, np.ndarray], None]  # the batch, packed
 
 
 class ModelRunner:
@@ -74,10 +74,10 @@ class ModelRunner:
         asynchronously); its results come from `collect`. Forwards run in the order they were
         dispatched: each takes the KV pool the one before it gives back (donated)."""
         try:
-            program = self.programs.get(shape)
+            program, packed = self.programs.get(shape), pack(batch)
             if self._publish is not None:
-                self._publish(shape, batch)
-            logits, lse, self.cache = program(self.params, self.cache, pack(batch))
+                self._publish(shape, packed)
+            logits, lse, self.cache = program(self.params, self.cache, packed)
         except BaseException:
             self._restore_cache()
             raise
