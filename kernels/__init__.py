@@ -1,9 +1,16 @@
 """The forward's kernels, each with a plain-JAX reference of the same signature beside it.
 
 Public: the three kernels and their backends (`select_kernels` picks one implementation of
-each), the attention metadata and the host-side block plan the planned kernels walk.
+each), the attention metadata and the block plan the planned kernels walk (built in the
+program: `plan_attention`; from concrete metadata: `build_plan`).
 """
-from kernels.attention_plan import AttentionPlan, BlockSizes, build_plan, default_block_sizes
+from kernels.attention_plan import (
+    AttentionPlan,
+    BlockSizes,
+    build_plan,
+    default_block_sizes,
+    plan_attention,
+)
 from kernels.backends import KERNEL_BACKENDS, TPU_BACKENDS, KernelSet, select_kernels
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
@@ -12,6 +19,7 @@ from kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_reference,
     write_kv_pages,
+    written_pages,
 )
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -20,7 +28,7 @@ from kernels.rms_norm import rms_norm
 __all__ = [
     "AttentionMetadata", "AttentionPlan", "BlockSizes", "KERNEL_BACKENDS", "KernelSet",
     "TPU_BACKENDS", "build_plan", "default_block_sizes", "final_norm_label_gather",
-    "final_norm_label_gather_reference", "final_norm_label_gather_xla",
+    "final_norm_label_gather_reference", "final_norm_label_gather_xla", "plan_attention",
     "ragged_paged_attention", "ragged_paged_attention_reference", "ragged_paged_attention_xla",
-    "rms_norm", "select_kernels", "write_kv_pages", "write_kv_pages_kernel",
+    "rms_norm", "select_kernels", "write_kv_pages", "write_kv_pages_kernel", "written_pages",
 ]

@@ -1,4 +1,6 @@
-"""Host-side block plan for the ragged paged attention kernel.
+"""The block plan the ragged paged attention kernels walk, in array operations of static
+shape: a program builds it on the devices from the batch's metadata (`plan_attention`), so
+the host sends a few numbers a sequence, not the steps.
 
 Queries are cut into q blocks of `q_block` packed tokens, block b holding tokens
 [b * q_block, (b + 1) * q_block): the kernels read q and write their output in token order,
@@ -19,6 +21,8 @@ where KV blocks of 128 would cost 128 or 256.
 import dataclasses
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 FIRST, LAST, NOOP = 1, 2, 4  # step flags
@@ -64,23 +68,23 @@ def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
 
 
 class AttentionPlan(NamedTuple):
-    token_pos: np.ndarray   # [T] KV position of each packed token (-1: padding)
-    token_seq: np.ndarray   # [T] sequence of each packed token (-1: padding)
-    step_block: np.ndarray  # [NS] q block of each grid step
-    step_seq: np.ndarray    # [NS] sequence whose rows of the block the step serves
-    step_kv: np.ndarray     # [NS] KV block (within its sequence) of each step
-    step_flags: np.ndarray  # [NS] FIRST | LAST of its q block, NOOP for padding steps
-    num_steps: np.ndarray   # [] int32, the real steps (a dynamic grid / loop bound)
-    kv_split: np.ndarray | None = None  # [S] block steps see KV positions below it, item
-    #                                      steps the rest (None: no item steps)
+    token_pos: jax.Array    # [T] KV position of each packed token (-1: padding)
+    token_seq: jax.Array    # [T] sequence of each packed token (-1: padding)
+    step_block: jax.Array   # [NS] q block of each grid step
+    step_seq: jax.Array     # [NS] sequence whose rows of the block the step serves
+    step_kv: jax.Array      # [NS] KV block (within its sequence) of each step
+    step_flags: jax.Array   # [NS] FIRST | LAST of its q block, NOOP for padding steps
+    num_steps: jax.Array    # [] int32, the real steps (a dynamic grid / loop bound)
+    kv_split: jax.Array | None = None  # [S] block steps see KV positions below it, item
+    #                                     steps the rest (None: no item steps)
     items: "ItemSteps | None" = None
 
 
 class ItemSteps(NamedTuple):
-    block: np.ndarray      # [NI] item q block (of item_q_block tokens) of each step
-    seq: np.ndarray        # [NI] sequence whose rows of the block the step serves
-    start: np.ndarray      # [NI] first KV position of the step's window, page-aligned
-    num_steps: np.ndarray  # [] int32, the real steps
+    block: jax.Array       # [NI] item q block (of item_q_block tokens) of each step
+    seq: jax.Array         # [NI] sequence whose rows of the block the step serves
+    start: jax.Array       # [NI] first KV position of the step's window, page-aligned
+    num_steps: jax.Array   # [] int32, the real steps
 
 
 def num_q_blocks(n_tokens: int, sizes: BlockSizes) -> int:
@@ -117,133 +121,219 @@ def real_q_blocks(plan: AttentionPlan) -> int:
     return len(np.unique(np.asarray(plan.step_block)[real]))
 
 
-def _token_rows(cu: np.ndarray, kv_lens: np.ndarray,
-                n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def _ceil_div(a, b: int):
+    return -(-a // b)
+
+
+def _token_rows(cu, kv_lens, n_tokens: int):
     """(KV position, sequence) of each packed token; -1 for padding tokens."""
-    t = np.arange(n_tokens)
+    t = jnp.arange(n_tokens, dtype=jnp.int32)
     real = t < cu[-1]
-    seq = np.where(real, np.searchsorted(cu, t, side="right") - 1, -1)
-    s = np.maximum(seq, 0)
-    pos = np.where(real, kv_lens[s] - cu[s + 1] + t, -1)
-    return pos.astype(np.int32), seq.astype(np.int32)
+    # A token's sequence: how many offsets lie at or below it (S + 1 compares a token).
+    seq = jnp.searchsorted(cu, t, side="right", method="compare_all").astype(jnp.int32) - 1
+    s = jnp.clip(seq, 0, len(kv_lens) - 1)
+    pos = jnp.where(real, kv_lens[s] - cu[s + 1] + t, -1)
+    return pos, jnp.where(real, seq, -1)
 
 
-def _segments(seq: np.ndarray, q_block: int) -> np.ndarray:
-    """First token of each (q block, sequence) segment of the real tokens `seq`."""
-    t = np.arange(len(seq))
-    new = np.ones(len(seq), bool)
-    new[1:] = (t[1:] // q_block != t[:-1] // q_block) | (seq[1:] != seq[:-1])
-    return np.flatnonzero(new)
+def _scan(op, starts, x):
+    """`op` accumulated over each run of `x` that `starts` begins, inclusive. A log-depth
+    scan: no scatter, which XLA's segment reductions would be."""
+    def combine(a, b):
+        return a[0] | b[0], jnp.where(b[0], b[1], op(a[1], b[1]))
+    return jax.lax.associative_scan(combine, (starts, x))[1]
 
 
-def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The ranges [start, start + count), concatenated: (range index, value) per element."""
-    which = np.repeat(np.arange(len(counts)), counts)
-    offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return which, starts[which] + offset
+class _Segments(NamedTuple):
+    """The (block, sequence) pieces of the real tokens, padded to a bound."""
+    starts: jax.Array  # [T] whether a token begins a segment
+    first: jax.Array   # [size] each segment's first token
+    last: jax.Array    # [size] and its last (padding segments: anything in range)
+    count: jax.Array   # [] real segments
+    size: int          # the bound
+
+    def min(self, x):
+        return _scan(jnp.minimum, self.starts, x)[self.last]
+
+    def max(self, x):
+        return _scan(jnp.maximum, self.starts, x)[self.last]
 
 
-def _kv_splits(pos, vis, seq, shared_lens, kv_lens, sizes: BlockSizes) -> np.ndarray:
+def _segments(seq, real, block: int, n_seqs: int) -> _Segments:
+    """Each block start or sequence start begins a segment: at most one a block and one more
+    a sequence start within a block."""
+    t = jnp.arange(len(seq), dtype=jnp.int32)
+    starts = real & ((t % block == 0) | (seq != jnp.roll(seq, 1)))
+    ids = jnp.where(real, jnp.cumsum(starts, dtype=jnp.int32) - 1, len(seq))
+    size = _ceil_div(len(seq), block) + max(n_seqs - 1, 0)
+    k = jnp.arange(size, dtype=jnp.int32)
+    first = jnp.searchsorted(ids, k, side="left", method="scan_unrolled").astype(jnp.int32)
+    last = jnp.searchsorted(ids, k, side="right", method="scan_unrolled").astype(jnp.int32) - 1
+    return _Segments(starts, jnp.minimum(first, len(seq) - 1), jnp.clip(last, 0, len(seq) - 1),
+                     jnp.sum(starts, dtype=jnp.int32), size)
+
+
+def expand_ranges(starts, counts, size: int):
+    """The ranges [start, start + count), concatenated and padded to `size` by repeating the
+    last element: (range index, value) per element, and the real elements' count."""
+    ends = jnp.cumsum(counts, dtype=jnp.int32)
+    total = ends[-1]
+    j = jnp.minimum(jnp.arange(size, dtype=jnp.int32), jnp.maximum(total - 1, 0))
+    which = jnp.searchsorted(ends, j, side="right", method="compare_all").astype(jnp.int32)
+    which = jnp.minimum(which, len(counts) - 1)
+    value = starts[which] + j - (ends[which] - counts[which])
+    return which, value, total
+
+
+def _kv_splits(pos, vis, seq, real, cu, shared_lens, kv_lens, sizes: BlockSizes):
     """Where each sequence's block steps stop: its query's L if item steps can take the
     positions past it, each row seeing at most item_kv_block of them, and they lie past the
     KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
-    past_query = np.zeros(len(kv_lens), np.int64)
-    np.maximum.at(past_query, seq, pos - np.maximum(vis, shared_lens[seq]) + 1)
-    query_blocks_end = -(-shared_lens // sizes.kv_block) * sizes.kv_block
+    s = jnp.maximum(seq, 0)
+    past = jnp.where(real, pos - jnp.maximum(vis, shared_lens[s]) + 1, 0)
+    t = jnp.arange(len(seq), dtype=jnp.int32)
+    scanned = _scan(jnp.maximum, (t == 0) | (seq != jnp.roll(seq, 1)), past)
+    last = scanned[jnp.clip(cu[1:] - 1, 0, len(seq) - 1)]  # each sequence's last token
+    past_query = jnp.where(cu[1:] > cu[:-1], jnp.maximum(last, 0), 0)
+    query_blocks_end = _ceil_div(shared_lens, sizes.kv_block) * sizes.kv_block
     items = ((sizes.item_q_block > 0) & (shared_lens > 0)
              & (past_query <= sizes.item_kv_block) & (kv_lens > query_blocks_end))
-    return np.where(items, shared_lens, kv_lens).astype(np.int32)
+    return jnp.where(items, shared_lens, kv_lens).astype(jnp.int32)
 
 
-def _kv_block_steps(pos, vis, seq, shared_lens, splits, sizes: BlockSizes) -> np.ndarray:
-    """[steps, 3] (q block, sequence, KV block): per segment, the KV blocks some row sees
-    (the rule `sees` on intervals: a row sees [0, min(L, pos + 1)) and [vis, pos]) that lie
-    below its sequence's split, ascending."""
-    first = _segments(seq, sizes.q_block)
-    s, kvb = seq[first], sizes.kv_block
-    p_max, a_min = np.maximum.reduceat(pos, first), np.minimum.reduceat(vis, first)
-    shared_end = -(-np.minimum(shared_lens[s], p_max + 1) // kvb)  # blocks [0, shared_end)
-    lo, hi = a_min // kvb, p_max // kvb + 1                         # and [lo, hi)
+def _kv_block_steps(pos, vis, seq, real, shared_lens, splits, sizes: BlockSizes,
+                    max_steps: int):
+    """(q block, sequence, KV block) of each step, and the real steps' count: per segment,
+    the KV blocks some row sees (the rule `sees` on intervals: a row sees [0, min(L, pos + 1))
+    and [vis, pos]) that lie below its sequence's split, ascending."""
+    seg = _segments(seq, real, sizes.q_block, len(shared_lens))
+    first, s = seg.first, jnp.maximum(seq[seg.first], 0)
+    p_max, a_min = seg.max(pos), seg.min(vis)
+    kvb = sizes.kv_block
+    shared_end = _ceil_div(jnp.minimum(shared_lens[s], p_max + 1), kvb)  # blocks [0, end)
+    lo, hi = a_min // kvb, p_max // kvb + 1                              # and [lo, hi)
     merged = lo <= shared_end
-    limit = -(-splits[s] // kvb)
-    starts = np.stack([np.zeros_like(lo), lo], 1).ravel()
-    ends = np.stack([np.where(merged, np.maximum(shared_end, hi), shared_end),
-                     np.where(merged, lo, hi)], 1).ravel()
-    counts = np.maximum(np.minimum(ends, np.repeat(limit, 2)) - starts, 0)
-    which, kv = _expand(starts, counts)
+    limit = _ceil_div(splits[s], kvb)
+    starts = jnp.stack([jnp.zeros_like(lo), lo], 1).ravel()
+    ends = jnp.stack([jnp.where(merged, jnp.maximum(shared_end, hi), shared_end),
+                      jnp.where(merged, lo, hi)], 1).ravel()
+    valid = jnp.repeat(jnp.arange(seg.size) < seg.count, 2)
+    counts = jnp.where(valid, jnp.maximum(jnp.minimum(ends, jnp.repeat(limit, 2)) - starts, 0),
+                       0)
+    which, kv, total = expand_ranges(starts, counts, max_steps)
     segment = which // 2
-    return np.stack([first[segment] // sizes.q_block, s[segment], kv], 1)
+    return _or_zeros(total, first[segment] // sizes.q_block, s[segment], kv), total
 
 
-def _item_window_steps(pos, vis, seq, splits, sizes: BlockSizes, page_size: int) -> np.ndarray:
-    """[steps, 3] (item q block, sequence, window start): per segment of item_q_block tokens,
-    windows of item_kv_block positions from the first position past the split some row sees,
-    page-aligned, to the last."""
-    first = _segments(seq, sizes.item_q_block)
-    split = splits[seq]
-    past = pos >= split
-    lo = np.minimum.reduceat(np.where(past, np.maximum(vis, split), np.iinfo(np.int32).max),
-                             first)
-    hi = np.maximum.reduceat(np.where(past, pos, -1), first)
+def _item_window_steps(pos, vis, seq, real, splits, sizes: BlockSizes, page_size: int,
+                       max_steps: int):
+    """(item q block, sequence, window start) of each item step, and the real ones' count:
+    per segment of item_q_block tokens, windows of item_kv_block positions from the first
+    position past the split some row sees, page-aligned, to the last."""
+    seg = _segments(seq, real, sizes.item_q_block, len(splits))
+    first, s = seg.first, jnp.maximum(seq[seg.first], 0)
+    split = splits[jnp.maximum(seq, 0)]
+    past = real & (pos >= split)
+    lo = seg.min(jnp.where(past, jnp.maximum(vis, split), jnp.iinfo(jnp.int32).max))
+    hi = seg.max(jnp.where(past, pos, -1))
     lo = lo // page_size * page_size
-    counts = np.where(hi >= 0, -(-(hi + 1 - lo) // sizes.item_kv_block), 0)
-    which, k = _expand(np.zeros_like(lo), counts)
-    return np.stack([first[which] // sizes.item_q_block, seq[first[which]],
-                     lo[which] + k * sizes.item_kv_block], 1)
+    valid = (jnp.arange(seg.size) < seg.count) & (hi >= 0)
+    counts = jnp.where(valid, _ceil_div(hi + 1 - lo, sizes.item_kv_block), 0)
+    which, k, total = expand_ranges(jnp.zeros_like(lo), counts, max_steps)
+    return _or_zeros(total, first[which] // sizes.item_q_block, s[which],
+                     lo[which] + k * sizes.item_kv_block), total
+
+
+def _or_zeros(total, *fields):
+    """A plan without a real step is all zeros (each step a NOOP)."""
+    return tuple(jnp.where(total == 0, 0, f).astype(jnp.int32) for f in fields)
+
+
+def _block_flags(blocks, total):
+    """FIRST | LAST of its q block for the real steps, NOOP for the padding."""
+    j = jnp.arange(len(blocks))
+    first = (j == 0) | (blocks != jnp.roll(blocks, 1))
+    last = (j == total - 1) | (blocks != jnp.roll(blocks, -1))
+    flags = FIRST * first.astype(jnp.int32) | LAST * last.astype(jnp.int32)
+    return jnp.where(j < total, flags, NOOP).astype(jnp.int32)
+
+
+def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_steps: int,
+          page_size: int, max_item_steps: int):
+    """The plan, padded to the bounds, and the steps and item steps it needs."""
+    cu, kv_lens, shared_lens, vis = (jnp.asarray(x, jnp.int32) for x in (
+        cu, kv_lens, shared_lens, visible_from))
+    pos, seq = _token_rows(cu, kv_lens, len(vis))
+    real = seq >= 0
+    args = (pos, vis, seq, real)
+    splits = _kv_splits(*args, cu, shared_lens, kv_lens, sizes)
+    (block, step_seq, kv), total = _kv_block_steps(*args, shared_lens, splits, sizes,
+                                                   max_steps)
+    plan = AttentionPlan(token_pos=pos, token_seq=seq, step_block=block.astype(jnp.int32),
+                         step_seq=step_seq.astype(jnp.int32), step_kv=kv.astype(jnp.int32),
+                         step_flags=_block_flags(block, total),
+                         num_steps=jnp.clip(total, 1, max_steps).astype(jnp.int32))
+    if not sizes.item_q_block:
+        return plan, total, jnp.int32(0)
+    (i_block, i_seq, start), i_total = _item_window_steps(*args, splits, sizes, page_size,
+                                                          max_item_steps)
+    items = ItemSteps(block=i_block.astype(jnp.int32), seq=i_seq.astype(jnp.int32),
+                      start=start.astype(jnp.int32),
+                      num_steps=jnp.minimum(i_total, max_item_steps).astype(jnp.int32))
+    return plan._replace(kv_split=splits, items=items), total, i_total
+
+
+# Programs trace `_plan` inline: as a nested jit's call, two v6e programs compiling at once
+# crashed the TPU compiler (a segmentation fault, 3 of 3 tries, this jax and libtpu).
+_plan_program = jax.jit(_plan, static_argnames=("sizes", "max_steps", "page_size",
+                                               "max_item_steps"))
+
+
+def _bounds(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes, page_size: int):
+    return (max(max_plan_steps(n_tokens, n_seqs, kv_len, sizes), 1),
+            max(max_item_steps(n_tokens, n_seqs, page_size, sizes), 1))
+
+
+def plan_attention(md, sizes: BlockSizes, page_size: int):
+    """The AttentionMetadata `md` with its plan, built where it is called (inside a program:
+    on the devices), padded to the bounds of its shapes: any batch they hold fits them."""
+    if sizes.item_q_block:
+        sizes.check(page_size)
+    n_seqs, pages_per_seq = md.page_indices.shape
+    max_steps, max_items = _bounds(len(md.visible_from), n_seqs, pages_per_seq * page_size,
+                                   sizes, page_size)
+    plan, _, _ = _plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes=sizes,
+                       max_steps=max_steps, page_size=page_size, max_item_steps=max_items)
+    return md._replace(plan=plan)
+
+
+def host_plan(md, sizes: BlockSizes, page_size: int) -> AttentionPlan:
+    """The plan a program builds from concrete metadata `md` (`plan_attention`), as NumPy
+    arrays: for studies and tests."""
+    return jax.tree.map(np.asarray, _planned(md, sizes, page_size).plan)
+
+
+_planned = jax.jit(plan_attention, static_argnums=(1, 2))
 
 
 def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
                max_steps: int | None = None, *, page_size: int = 0,
                max_item_steps: int | None = None) -> AttentionPlan:
-    """Pads the steps to `max_steps` and the item steps to `max_item_steps` (None: no
-    padding). Item steps, where `sizes` has them, need the `page_size`. Array operations
-    throughout: its cost follows the tokens and steps, with no Python loop over them."""
+    """The plan of concrete metadata (studies and tests), its steps padded to `max_steps`
+    and its item steps to `max_item_steps` (None: the bounds of its shapes and longest
+    sequence); a plan that does not fit them raises. Item steps, where `sizes` has them,
+    need the `page_size`. NumPy arrays."""
     if sizes.item_q_block:
         sizes.check(page_size)
-    cu, kv_lens, shared_lens, visible_from = (np.asarray(x, np.int64) for x in (
-        cu_q_lens, kv_lens, shared_lens, visible_from))
-    pos, seq = _token_rows(cu, kv_lens, len(visible_from))
-    n = int(cu[-1])
-    real = (pos[:n].astype(np.int64), visible_from[:n], seq[:n])
-    splits = _kv_splits(*real, shared_lens, kv_lens, sizes)
-    steps = _kv_block_steps(*real, shared_lens, splits, sizes) if n else np.zeros((0, 3))
-    plan = _block_steps(pos, seq, steps, max_steps)
-    if not sizes.item_q_block:
-        return plan
-    items = _item_window_steps(*real, splits, sizes, page_size) if n else np.zeros((0, 3))
-    return plan._replace(kv_split=splits, items=_item_steps(items, max_item_steps))
-
-
-def _block_flags(blocks: np.ndarray) -> np.ndarray:
-    first = np.r_[True, blocks[1:] != blocks[:-1]]
-    last = np.r_[blocks[1:] != blocks[:-1], True]
-    return (FIRST * first | LAST * last).astype(np.int32)
-
-
-def _block_steps(pos, seq, steps: np.ndarray, max_steps: int | None) -> AttentionPlan:
-    n_real = len(steps)
-    n_steps = _padded_size(n_real, max_steps, "steps")
-    table = np.asarray(steps if n_real else [(0, 0, 0)], np.int32).reshape(-1, 3)
-    flags = _block_flags(table[:, 0]) if n_real else np.array([NOOP], np.int32)
-    pad = n_steps - len(table)
-    table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
-    flags = np.concatenate([flags, np.full(pad, NOOP, np.int32)])
-    return AttentionPlan(token_pos=pos, token_seq=seq, step_block=table[:, 0],
-                         step_seq=table[:, 1], step_kv=table[:, 2], step_flags=flags,
-                         num_steps=np.int32(max(n_real, 1)))
-
-
-def _item_steps(steps: np.ndarray, max_steps: int | None) -> ItemSteps:
-    table = np.asarray(steps if len(steps) else [(0, 0, 0)], np.int32).reshape(-1, 3)
-    pad = _padded_size(len(steps), max_steps, "item steps") - len(table)
-    table = np.concatenate([table, np.repeat(table[-1:], pad, axis=0)])
-    return ItemSteps(block=table[:, 0], seq=table[:, 1], start=table[:, 2],
-                     num_steps=np.int32(len(steps)))
-
-
-def _padded_size(n: int, limit: int | None, what: str) -> int:
-    if limit is None:
-        return max(n, 1)
-    if n > limit:
-        raise ValueError(f"the plan has {n} {what}, more than the {limit} it is padded to")
-    return limit
+    bounds = _bounds(len(visible_from), len(kv_lens), int(np.max(kv_lens, initial=0)), sizes,
+                     page_size)
+    max_steps = bounds[0] if max_steps is None else max_steps
+    max_items = bounds[1] if max_item_steps is None else max_item_steps
+    plan, needed, needed_items = _plan_program(cu_q_lens, kv_lens, shared_lens, visible_from,
+                                       sizes=sizes, max_steps=max_steps, page_size=page_size,
+                                       max_item_steps=max(max_items, 1))
+    for n, limit, what in ((needed, max_steps, "steps"), (needed_items, max_items, "item steps")):
+        if int(n) > limit:
+            raise ValueError(f"the plan has {int(n)} {what}, more than the {limit} it is "
+                             f"padded to")
+    return jax.tree.map(np.asarray, plan)

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kernels.attention_plan import expand_ranges
+
 MASKED = -1e30  # a masked score: exp(MASKED - any real score) is 0
 
 
@@ -23,7 +25,7 @@ class AttentionMetadata(NamedTuple):
     page_indices: jax.Array  # [S, pages_per_seq] int32, page table
     shared_lens: jax.Array   # [S] int32, L: positions every token sees (0: plain causal)
     visible_from: jax.Array  # [T] int32, a(t): first KV position past L that token t sees
-    plan: Any = None         # AttentionPlan for the Pallas kernel (host-built); unused here
+    plan: Any = None         # AttentionPlan for the planned kernels (plan_attention); unused here
 
 
 def check_attention_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
@@ -40,6 +42,25 @@ def check_attention_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
             or md.visible_from.shape != (t,)):
         raise ValueError(f"metadata shapes do not fit {s} sequences and {t} tokens: "
                          f"{jax.tree.map(jnp.shape, md)}")
+
+
+def written_pages(md: AttentionMetadata, page_size: int, num_pages: int):
+    """The pages the new tokens fill [W] (`num_pages`, out of the pool, for padding) and the
+    packed token of each of their rows [W, page_size] (rows past a sequence's end repeat its
+    last token), W the most that any batch of `md`'s shapes fills: every page of its tokens,
+    and a part page more a sequence. A sequence's new tokens start on a page boundary (the
+    prefix cache holds whole pages), so the pages follow its cached ones in its page table."""
+    n_seqs, pages_per_seq = md.page_indices.shape
+    size = -(-md.visible_from.shape[0] // page_size) + n_seqs
+    new = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    first = (md.kv_lens - new) // page_size
+    seq, column, total = expand_ranges(first, -(-new // page_size), size)
+    real = jnp.arange(size) < total
+    page_ids = md.page_indices[seq, jnp.clip(column, 0, pages_per_seq - 1)]
+    rows = (column - first[seq])[:, None] * page_size + jnp.arange(page_size)
+    tokens = md.cu_q_lens[seq][:, None] + jnp.minimum(rows, new[seq][:, None] - 1)
+    return (jnp.where(real, page_ids, num_pages).astype(jnp.int32),
+            jnp.where(real[:, None], tokens, 0).astype(jnp.int32))
 
 
 def page_blocks(x, page_tokens):

@@ -184,12 +184,14 @@ def _in_blocks(q, md: AttentionMetadata, hkv: int, sizes: BlockSizes):
 
 def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                            sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False):
-    """Pallas kernel; `md.plan` comes from `build_plan` on the same metadata and block sizes."""
+    """Pallas kernel; `md.plan` comes from `plan_attention` (or `build_plan`) on the same
+    metadata and block sizes."""
     del max_q_len  # the plan bounds the work
     check_attention_shapes(q, k_pages, v_pages, md)
     plan = md.plan
     if not isinstance(plan, AttentionPlan):
-        raise ValueError("the Pallas kernel needs metadata.plan, from attention_plan.build_plan")
+        raise ValueError("the Pallas kernel needs metadata.plan, from "
+                         "attention_plan.plan_attention")
     if plan.items is not None or sizes.item_q_block:
         raise ValueError(f"the Pallas kernel has no item steps; block sizes {sizes}")
     n_layers, hkv, _, page_size, d = k_pages.shape

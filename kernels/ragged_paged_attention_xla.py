@@ -91,7 +91,7 @@ def block_rows(t: int, sizes: BlockSizes) -> int:
 
 def _check_plan(plan, t: int, sizes: BlockSizes) -> None:
     if not isinstance(plan, AttentionPlan):
-        raise ValueError("the planned attention needs metadata.plan, from build_plan")
+        raise ValueError("the planned attention needs metadata.plan, from plan_attention")
     if plan.token_pos.shape != (t,):
         raise ValueError(f"a plan for {plan.token_pos.shape[0]} tokens, q has {t}")
     if (plan.items is not None) != (sizes.item_q_block > 0):
@@ -101,7 +101,8 @@ def _check_plan(plan, t: int, sizes: BlockSizes) -> None:
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
                                sm_scale: float, max_q_len: int, sizes: BlockSizes):
-    """`md.plan` comes from `build_plan` on the same metadata and block sizes."""
+    """`md.plan` comes from `plan_attention` (or `build_plan`) on the same metadata and block
+    sizes."""
     del max_q_len  # the plan bounds the work
     check_attention_shapes(q, k_pages, v_pages, md)
     page_size = k_pages.shape[3]

@@ -10,8 +10,6 @@ from kernels.ragged_paged_attention import AttentionMetadata
 class ForwardBatch(NamedTuple):
     tokens: jax.Array        # [T] int32, packed new tokens of every sequence
     positions: jax.Array     # [T] int32, RoPE positions
-    kv_pages: jax.Array      # [W] int32, pages the new K/V fill; out of the pool = padding
-    kv_page_tokens: jax.Array  # [W, page_size] int32, the token of each row of those pages
     attention: AttentionMetadata
     score_rows: jax.Array    # [R] int32, indices into tokens of the rows to score
     label_ids: jax.Array     # [R, K] int32, head rows to read per scored row

@@ -13,9 +13,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels.attention_plan import BlockSizes
+from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
-from kernels.ragged_paged_attention import page_blocks
+from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
@@ -185,8 +185,8 @@ def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
     return rms_norm(x, weight, cfg.rms_norm_eps)
 
 
-def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch, cos, sin,
-           matrices: tuple | None, feature_major: bool, carry, xs):
+def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch,
+           written: tuple, cos, sin, matrices: tuple | None, feature_major: bool, carry, xs):
     x, cache = carry
     lp, layer = xs
     dot = _layer_dot(lp, matrices, layer, feature_major)
@@ -195,8 +195,9 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         q, k, v = _qkv(cfg, lp, dot, h, cos, sin, feature_major)
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
-        blocks = (page_blocks(new, batch.kv_page_tokens) for new in (k, v))
-        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, batch.kv_pages)
+        page_ids, page_tokens = written
+        blocks = (page_blocks(new, page_tokens) for new in (k, v))
+        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, page_ids)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
         attn = attn.reshape(attn.shape[0], -1)
@@ -216,8 +217,11 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     matrices = params.get("layer_matrices")
     feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
     cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, feature_major)
-    body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch, cos,
-                                                      sin, matrices, feature_major))
+    with jax.named_scope("written_pages"):
+        written = written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2])
+    body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
+                                                      written, cos, sin, matrices,
+                                                      feature_major))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry = (x.T if feature_major else x, cache)
     (x, cache), _ = jax.lax.scan(body, carry, (params["layers"], layers))
@@ -235,11 +239,16 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
                   max_q_len: int, backend: str = "reference", sizes: BlockSizes | None = None,
                   shards: ShardPlan = ShardPlan(), kernels: KernelSet | None = None):
     """Label logits [R, K] f32, logsumexp [R] f32 (zeros unless batch.with_logsumexp), and
-    the updated cache. With shards.tp > 1, the body of a shard_map
+    the updated cache. With block `sizes`, the attention plan is built here from the batch's
+    metadata, on the devices. With shards.tp > 1, the body of a shard_map
     (model.sharding.shard_forward). `kernels`: instead of the backend's (a study's stand-ins:
     profiling.bench_ablation)."""
     if kernels is None:
         kernels = model_kernels(cfg, backend, max_q_len, sizes)
+    if sizes is not None:
+        with jax.named_scope("attention_plan"):
+            batch = batch._replace(attention=plan_attention(batch.attention, sizes,
+                                                            cache.k.shape[3]))
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,

@@ -30,6 +30,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernels.attention_plan import (
     BlockSizes,
     default_block_sizes,
+    host_plan,
     real_q_blocks,
     visited_kv_blocks,
 )
@@ -82,8 +83,9 @@ def make_batch(prefix: int, items: list[int] | None, heads: Heads, sizes: BlockS
     n_pages = pages_needed(n, heads.page)
     shape = ShapeBuckets(n, 1, rows, 1, n, heads.page, sizes).shape(n, rows, 1)
     batch = build_batch([ScheduledSeq(seq, list(range(n_pages)))], [[0]] * rows, shape,
-                        heads.page, n_pages * heads.page, sizes)
-    return batch, shape.tokens, n_pages
+                        heads.page)
+    plan = host_plan(batch.attention, sizes, heads.page)
+    return batch._replace(attention=batch.attention._replace(plan=plan)), shape.tokens, n_pages
 
 
 def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):

@@ -37,7 +37,7 @@ import numpy as np
 from absl import app, flags
 from jax.experimental import pallas as pl
 
-from kernels.attention_plan import real_q_blocks, visited_kv_blocks
+from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.ragged_paged_attention_xla import block_rows
@@ -55,7 +55,8 @@ from runtime.packing import multi_item_sequence
 
 FLAGS = flags.FLAGS
 QUERY, ITEMS, ITEM, LABELS = 120, 10, 18, 2
-SCOPES = ("qkv", "out_proj", "mlp", "attention", "kv_write", "label_gather")
+SCOPES = ("attention_plan", "written_pages", "qkv", "out_proj", "mlp", "attention", "kv_write",
+          "label_gather")
 
 
 def define_flags() -> None:
@@ -127,9 +128,8 @@ def bucket_batch(engine: Engine, bucket: int, with_lse: bool):
     """schedule()'s entries, labels and shape for a full `bucket`, and their batch."""
     runner = engine.runner
     entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
-    return entries, labels, shape, build_batch(
-        entries, labels, shape, runner.buckets.page_size, runner.num_pages, runner.sizes,
-        with_lse)
+    return entries, labels, shape, build_batch(entries, labels, shape,
+                                               runner.buckets.page_size, with_lse)
 
 
 def layer_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -171,12 +171,13 @@ def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int,
                            bytes_accessed=cost.bytes_accessed + items.bytes_accessed)
 
 
-def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, with_lse: bool,
-         itemsize: int, backend: str):
+def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, page_size: int,
+         with_lse: bool, itemsize: int, backend: str):
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
-    attn = attention_work(cfg, batch.attention.plan, sizes, itemsize, backend)
+    attn = attention_work(cfg, host_plan(batch.attention, sizes, page_size), sizes, itemsize,
+                          backend)
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
     layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(
@@ -189,10 +190,10 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, w
 
 
 def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
-    """Median wall time of build_batch: the plan, page tables and padding, on the host."""
-    runner = engine.runner
-    return wall_time(build_batch, (entries, labels, shape, runner.buckets.page_size,
-                                   runner.num_pages, runner.sizes), repeats)
+    """Median wall time of build_batch: the batch's arrays, padded, on the host (the program
+    derives its attention plan and written pages from them on the devices)."""
+    return wall_time(build_batch, (entries, labels, shape, engine.runner.buckets.page_size),
+                     repeats)
 
 
 def time_split(engine: Engine, batch, shape, repeats: int, trace_dir: str | None) -> dict:
@@ -216,8 +217,8 @@ def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entri
     _, batch, sizes = built
     estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
-    bound = roofline(*work(cfg, params, batch, tokens, len(labels), sizes, with_lse, 2,
-                           "pallas"), None)
+    bound = roofline(*work(cfg, params, batch, tokens, len(labels), sizes,
+                           engine_cfg.page_size, with_lse, 2, "pallas"), None)
     return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound["v6e_roofline_s"],
             "flops": bound["flops"], "hbm_bytes": bound["hbm_bytes"],
             "fraction_of_roofline": bound["v6e_roofline_s"] / estimate["v6e_estimate_s"],
@@ -261,7 +262,8 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
                      **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
-                                      runner.sizes, with_lse, itemsize, runner.backend),
+                                      runner.sizes, runner.buckets.page_size, with_lse,
+                                      itemsize, runner.backend),
                                 seconds),
                      "v6e_estimate": v6e_estimate(cfg, engine.engine_cfg, runner.params,
                                                   entries, labels, with_lse)

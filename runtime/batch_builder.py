@@ -1,16 +1,17 @@
 """Host-side assembly of a ForwardBatch from scheduled sequences, padded to a BatchShape.
 
-Padding pages are written nowhere (page id out of the pool), padding sequences have no tokens
-and no KV, padding rows and labels are ignored. A sequence's first `cached` tokens, whole
-pages, already have K/V in its pages (a prefix-cache hit): only the rest are computed, and
-their K/V fill the following pages whole.
+Padding sequences have no tokens and no KV, padding rows and labels are ignored. A sequence's
+first `cached` tokens, whole pages, already have K/V in its pages (a prefix-cache hit): only
+the rest are computed, and their K/V fill the following pages whole. The host sends tokens
+and a few numbers a sequence; the program derives the rest from them (the attention plan,
+the pages its K/V fill: kernels.attention_plan.plan_attention,
+kernels.ragged_paged_attention.written_pages).
 """
 import dataclasses
 import itertools
 
 import numpy as np
 
-from kernels.attention_plan import BlockSizes, build_plan
 from kernels.ragged_paged_attention import AttentionMetadata
 from model.batch import ForwardBatch
 from runtime.buckets import BatchShape
@@ -61,28 +62,10 @@ def _new(entries: list[ScheduledSeq], field: str) -> np.ndarray:
     return _flat(getattr(e.seq, field)[e.cached:] for e in entries)
 
 
-def _written_pages(entries: list[ScheduledSeq], offsets: np.ndarray, shape: BatchShape,
-                   page_size: int, num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pages the new tokens fill, and the packed token of each of their rows (a last
-    page's rows past its sequence repeat the sequence's last token)."""
-    cached = np.fromiter((e.cached for e in entries), np.int64, len(entries))
-    if (cached % page_size).any():
-        raise ValueError(f"{cached[cached % page_size > 0][0]} cached tokens are not whole "
-                         f"pages of {page_size}")
-    new = np.diff(offsets).astype(np.int64)
-    n_pages = -(-new // page_size)
-    first = cached // page_size
-    pages = _flat(e.pages[a:a + n] for e, a, n in zip(entries, first.tolist(), n_pages.tolist()))
-    entry = np.repeat(np.arange(len(entries)), n_pages)
-    nth = np.arange(len(entry)) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
-    rows = nth[:, None] * page_size + np.arange(page_size)
-    table = np.zeros((shape.written_pages, page_size), np.int32)
-    table[:len(entry)] = offsets[entry][:, None] + np.minimum(rows, new[entry][:, None] - 1)
-    return _pad(pages, shape.written_pages, fill=num_pages), table
-
-
-def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
-               sizes: BlockSizes | None):
+def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int):
+    partial = [e.cached for e in entries if e.cached % page_size]
+    if partial:
+        raise ValueError(f"{partial[0]} cached tokens are not whole pages of {page_size}")
     lens = np.fromiter((e.new_tokens for e in entries), np.int32, len(entries))
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     md = AttentionMetadata(
@@ -91,28 +74,19 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
         page_indices=_rows([e.pages for e in entries], shape.seqs, shape.pages_per_seq),
         shared_lens=_pad([e.seq.shared_len for e in entries], shape.seqs),
         visible_from=_pad(_new(entries, "visible_from"), shape.tokens))
-    if sizes is None:
-        return md, offsets
-    plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
-                      shape.steps, page_size=page_size, max_item_steps=shape.item_steps)
-    return md._replace(plan=plan), offsets
+    return md, offsets
 
 
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
-                page_size: int, num_pages: int, sizes: BlockSizes | None = None,
-                with_logsumexp: bool = False) -> ForwardBatch:
-    """With block `sizes`, the attention metadata carries the block plan."""
-    attention, offsets = _attention(entries, shape, page_size, sizes)
+                page_size: int, with_logsumexp: bool = False) -> ForwardBatch:
+    attention, offsets = _attention(entries, shape, page_size)
     rows = _flat([o - e.cached + r for r in e.seq.score_rows]
                  for o, e in zip(offsets.tolist(), entries))
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
-    kv_pages, kv_page_tokens = _written_pages(entries, offsets, shape, page_size, num_pages)
     return ForwardBatch(
         tokens=_pad(_new(entries, "tokens"), shape.tokens),
         positions=_pad(_new(entries, "positions"), shape.tokens),
-        kv_pages=kv_pages,
-        kv_page_tokens=kv_page_tokens,
         attention=attention,
         score_rows=_pad(rows, shape.rows),
         label_ids=_rows(row_labels, shape.rows, shape.labels),

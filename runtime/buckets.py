@@ -1,12 +1,12 @@
 """Padding of jitted shapes to a few sizes, so that varied requests reuse compiled code.
 
 Only the token count picks a bucket (`token_sizes`); every other dimension is a fixed
-function of it, and work inside the model follows the real counts (the attention plan's
-steps, the scored rows).
+function of it (the attention plan's steps too, padded to the bounds of these shapes), and
+work inside the model follows the real counts (the plan's real steps, the scored rows).
 """
 import dataclasses
 
-from kernels.attention_plan import BlockSizes, max_item_steps, max_plan_steps
+from kernels.attention_plan import BlockSizes
 
 MIN_TOKENS = 16
 FINE_TOKENS = 256  # buckets a quarter apart from here up
@@ -23,9 +23,6 @@ class BatchShape:
     pages_per_seq: int
     rows: int           # scored rows
     labels: int         # label ids per row
-    written_pages: int  # KV pages the new tokens fill (each sequence may end in a part page)
-    steps: int = 0      # attention plan steps (0: no plan)
-    item_steps: int = 0  # the plan's item steps (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +57,7 @@ class ShapeBuckets:
         tokens = next(size for size in self.token_sizes() if size >= need)
         seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
         pages = pages_needed(self.max_kv_len, self.page_size)
-        steps = item_steps = 0
-        if self.sizes is not None:
-            steps = max_plan_steps(tokens, seqs, pages * self.page_size, self.sizes)
-            item_steps = max_item_steps(tokens, seqs, self.page_size, self.sizes)
-        written = pages_needed(tokens, self.page_size) + seqs
-        return BatchShape(tokens, seqs, pages, rows, self.max_labels, written, steps,
-                          item_steps)
+        return BatchShape(tokens, seqs, pages, rows, self.max_labels)
 
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.max_tokens)) for t in self.token_sizes()]

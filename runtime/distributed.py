@@ -49,10 +49,10 @@ def agree(value: int) -> int:
 class StepChannel:
     """Node 0 publishes each forward's step; the other nodes receive them in the same order."""
 
-    def __init__(self, buckets: ShapeBuckets, num_pages: int):
+    def __init__(self, buckets: ShapeBuckets):
         self.shapes = buckets.all_shapes()
         self._empty = {}  # shape -> the padded batch the other nodes receive into
-        self._empty_args = (buckets.page_size, num_pages, buckets.sizes)
+        self._page_size = buckets.page_size
 
     def publish(self, shape: BatchShape, packed: np.ndarray) -> None:
         """`packed`: the batch, model.batch.pack'ed: one broadcast, not one an array."""
@@ -69,7 +69,7 @@ class StepChannel:
             return None
         shape = self.shapes[index]
         if shape not in self._empty:
-            self._empty[shape] = build_batch([], [], shape, *self._empty_args)
+            self._empty[shape] = build_batch([], [], shape, self._page_size)
         empty = self._empty[shape]
         return shape, unpack(multihost_utils.broadcast_one_to_all(pack(empty)), empty)
 

@@ -62,7 +62,7 @@ class Engine:
         logging.info("replicas: %d of %d %s device(s), %s kernels; KV pool: %d pages of %d "
                      "tokens each", len(groups), len(groups[0]), device.device_kind, backend,
                      pages, engine_cfg.page_size)
-        self.channel = StepChannel(buckets, pages) if multihost else None
+        self.channel = StepChannel(buckets) if multihost else None
         publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
         runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish,
                                engine_cfg.program_cache_dir)

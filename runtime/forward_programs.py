@@ -124,8 +124,7 @@ class ForwardPrograms:
             score_forward, cfg=self.cfg, max_q_len=shape.tokens, backend=self.backend,
             sizes=self.buckets.sizes, shards=self.shards, kernels=kernels)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
-        like = build_batch([], [], shape, self.buckets.page_size, self.num_pages,
-                           self.buckets.sizes)
+        like = build_batch([], [], shape, self.buckets.page_size)
 
         def packed_forward(params, cache, packed):
             return sharded(params, cache, unpack(packed, like))

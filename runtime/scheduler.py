@@ -197,7 +197,6 @@ class Scheduler:
                                                len(entries))
             with jax.profiler.TraceAnnotation("build_batch"):
                 batch = build_batch(entries, labels, forward.shape, self.buckets.page_size,
-                                    self.runner.num_pages, self.runner.sizes,
                                     any(u.job.with_lse for u, _ in forward.batch))
             with jax.profiler.TraceAnnotation("dispatch"):
                 forward.pending = self.runner.dispatch(batch, forward.shape)

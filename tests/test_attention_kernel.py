@@ -32,15 +32,10 @@ from tests.attention_cases import random_batch
 from tests.plan_reference import plan_steps
 
 
-def plan_for(md, sizes, extra=0, page_size=8):
-    """The exact plan, or one padded by `extra` steps (and item steps)."""
-    args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
-    exact = build_plan(*args, page_size=page_size)
-    if not extra:
-        return exact
-    items = len(exact.items.block) + extra if exact.items is not None else None
-    return build_plan(*args, len(exact.step_block) + extra, page_size=page_size,
-                      max_item_steps=items)
+def plan_for(md, sizes, page_size=8):
+    """The plan padded to the bounds of its shapes (the kernels see padding steps)."""
+    return build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes,
+                      page_size=page_size)
 
 
 def with_item_steps(sizes, page_size):
@@ -58,7 +53,7 @@ def run_both(q, k, v, md, sizes, interpret, layer=1):
     page = k.shape[3]
     if interpret == "xla_items":
         interpret, sizes = "xla", with_item_steps(sizes, page)
-    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, extra=3, page_size=page))
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, page_size=page))
     kw = dict(sm_scale=q.shape[-1] ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()))
     # float32 dots, as the server's float32 programs (at the default, a GPU's are TF32)
     with jax.default_matmul_precision("float32"):
@@ -313,7 +308,8 @@ def test_sequences_that_share_a_q_block_get_a_segment_each():
 def test_padding_steps_are_not_counted():
     _, _, _, md, _ = random_batch(np.random.default_rng(0), [("causal", 40)], hq=1, hkv=1, d=8,
                                   page_size=8, dtype=jnp.float32)
-    plan = plan_for(md, BlockSizes(8, 8), extra=1)
+    plan = build_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from,
+                      BlockSizes(8, 8), max_steps=16)
     assert len(plan.step_block) == 16 and visited_kv_blocks(plan) == 15  # 5 q blocks: 1+2+...+5
     assert plan.num_steps == 15
 

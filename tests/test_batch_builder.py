@@ -1,15 +1,13 @@
-"""Padded batches: the token buckets, the whole pages new K/V fill, and the real counts the
-kernels loop over."""
-import dataclasses
-
+"""Padded batches: the token buckets, the whole pages new K/V fill (derived in the program
+from the batch's metadata), and the real counts the kernels loop over."""
 import jax
 import numpy as np
 import pytest
 
-from kernels.attention_plan import BlockSizes
+from kernels.ragged_paged_attention import written_pages
 from model.batch import pack, unpack
 from runtime.batch_builder import ScheduledSeq, build_batch
-from runtime.buckets import ShapeBuckets
+from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.packing import causal_sequence, multi_item_sequence
 
 PAGE, NUM_PAGES = 8, 40
@@ -22,43 +20,77 @@ def test_new_tokens_fill_whole_pages_after_the_cached_ones():
     entries = [ScheduledSeq(query, [7, 3, 9, 12], cached=16),  # 2 cached pages, 9 new tokens
                ScheduledSeq(causal_sequence([5] * 5), [30])]
     shape = BUCKETS.shape(9 + 5, 3, 2)
-    batch = build_batch(entries, [[1, 2], [3], [4, 5, 6]], shape, PAGE, NUM_PAGES)
-    assert shape.written_pages == len(batch.kv_pages) == len(batch.kv_page_tokens)
-    assert list(batch.kv_pages[:3]) == [9, 12, 30]
-    assert (batch.kv_pages[3:] == NUM_PAGES).all()  # padding: written nowhere
+    batch = build_batch(entries, [[1, 2], [3], [4, 5, 6]], shape, PAGE)
+    page_ids, page_tokens = map(np.asarray, jax.jit(written_pages, static_argnums=(1, 2))(
+        batch.attention, PAGE, NUM_PAGES))
+    assert len(page_ids) == len(page_tokens) == pages_needed(shape.tokens, PAGE) + shape.seqs
+    assert list(page_ids[:3]) == [9, 12, 30]
+    assert (page_ids[3:] == NUM_PAGES).all()  # padding: written nowhere
     # the query's tokens 16..24 are packed tokens 0..8; the causal prompt's are 9..13
-    np.testing.assert_array_equal(batch.kv_page_tokens[0], range(8))
-    np.testing.assert_array_equal(batch.kv_page_tokens[1], [8] * PAGE)  # the last token repeats
-    np.testing.assert_array_equal(batch.kv_page_tokens[2], [9, 10, 11, 12, 13, 13, 13, 13])
+    np.testing.assert_array_equal(page_tokens[0], range(8))
+    np.testing.assert_array_equal(page_tokens[1], [8] * PAGE)  # the last token repeats
+    np.testing.assert_array_equal(page_tokens[2], [9, 10, 11, 12, 13, 13, 13, 13])
     assert int(batch.num_rows) == 3 and int(batch.num_labels) == 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_new_token_lands_in_its_page_row(seed):
+    """Random batches with cached pages: new token i of sequence s, at KV position
+    cached + i, is row (cached + i) % PAGE of page page_table[s][(cached + i) // PAGE], and
+    every page written is one of those."""
+    rng = np.random.default_rng(seed)
+    buckets = ShapeBuckets(max_tokens=256, max_seqs=6, max_rows=256, max_labels=1,
+                           max_kv_len=128, page_size=PAGE)
+    free, entries, where = list(rng.permutation(NUM_PAGES * 4)), [], {}
+    for _ in range(int(rng.integers(1, 6))):
+        n, cached = int(rng.integers(1, 30)), PAGE * int(rng.integers(0, 3))
+        seq = causal_sequence(rng.integers(0, 100, cached + n).tolist())
+        entries.append(ScheduledSeq(seq, [int(free.pop()) for _ in range(
+            pages_needed(cached + n, PAGE))], cached=cached))
+    labels = [[0] for e in entries for _ in e.seq.score_rows]
+    shape = buckets.shape(sum(e.new_tokens for e in entries), len(labels), len(entries))
+    batch = build_batch(entries, labels, shape, PAGE)
+    page_ids, page_tokens = map(np.asarray, written_pages(batch.attention, PAGE,
+                                                          NUM_PAGES * 4))
+    for page, tokens in zip(page_ids, page_tokens):
+        for row, t in enumerate(tokens):
+            where.setdefault((int(page), row), int(t))
+    offset = 0
+    for e in entries:
+        for i in range(e.new_tokens):
+            position = e.cached + i
+            assert where[(e.pages[position // PAGE], position % PAGE)] == offset + i
+        offset += e.new_tokens
+    real = page_ids[page_ids < NUM_PAGES * 4]
+    assert set(real.tolist()) == {e.pages[p] for e in entries for p in range(
+        e.cached // PAGE, pages_needed(len(e.seq.tokens), PAGE))}
 
 
 def test_cached_tokens_must_be_whole_pages():
     seq = causal_sequence(list(range(12)))
     with pytest.raises(ValueError, match="not whole pages of 8"):
-        build_batch([ScheduledSeq(seq, [1, 2], cached=4)], [[1]], BUCKETS.shape(8, 1, 1), PAGE,
-                    NUM_PAGES)
+        build_batch([ScheduledSeq(seq, [1, 2], cached=4)], [[1]], BUCKETS.shape(8, 1, 1), PAGE)
 
 
 def test_an_empty_batch_writes_nothing():
-    batch = build_batch([], [], BUCKETS.shape(16), PAGE, NUM_PAGES)
-    assert (batch.kv_pages == NUM_PAGES).all() and int(batch.num_labels) == 0
+    batch = build_batch([], [], BUCKETS.shape(16), PAGE)
+    page_ids, _ = written_pages(batch.attention, PAGE, NUM_PAGES)
+    assert (np.asarray(page_ids) == NUM_PAGES).all() and int(batch.num_labels) == 0
 
 
 def test_a_packed_batch_unpacks_in_a_program_to_the_same_arrays():
-    sizes = BlockSizes(16, 16, 8, 16)
     query = multi_item_sequence(list(range(20)), [[1, 2], [3, 4, 5]])
-    shape = dataclasses.replace(BUCKETS, sizes=sizes).shape(25 + 5, 3, 2)
+    shape = BUCKETS.shape(25 + 5, 3, 2)
     batch = build_batch([ScheduledSeq(query, [7, 3, 9, 12]),
                          ScheduledSeq(causal_sequence([5] * 5), [30])],
-                        [[1, 2], [3], [4, 5, 6]], shape, PAGE, NUM_PAGES, sizes, True)
-    like = build_batch([], [], shape, PAGE, NUM_PAGES, sizes)
+                        [[1, 2], [3], [4, 5, 6]], shape, PAGE, True)
+    like = build_batch([], [], shape, PAGE)
     got = jax.jit(lambda packed: unpack(packed, like))(pack(batch))
     assert jax.tree.structure(got) == jax.tree.structure(batch)
     for want, have in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
         assert have.dtype == np.asarray(want).dtype
         np.testing.assert_array_equal(have, want)
-    assert bool(got.with_logsumexp) and batch.attention.plan.items is not None
+    assert bool(got.with_logsumexp)
     with pytest.raises(ValueError, match=r"packed batch of shape \(3,\)"):
         unpack(np.zeros(3, np.int32), like)
 

@@ -57,8 +57,8 @@ def _forward_batch(engine, tokens: int):
     from runtime.batch_builder import build_batch
     runner = engine.runner
     entries, labels, shape = schedule(engine, tokens, np.random.default_rng(0))
-    return build_batch(entries, labels, shape, runner.buckets.page_size, runner.num_pages,
-                       runner.sizes, with_logsumexp=True), shape
+    return build_batch(entries, labels, shape, runner.buckets.page_size,
+                       with_logsumexp=True), shape
 
 
 @pytest.mark.parametrize("feature_major_max_tokens", [0, 512])

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels.attention_plan import real_q_blocks, visited_kv_blocks
+from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
 from kernels.label_gather_kernel import (
     label_rows_cost,
@@ -15,6 +15,7 @@ from kernels.label_gather_kernel import (
     streamed_cost,
     streamed_row_block,
 )
+from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
 from model.config import ModelConfig
 from model.decoder import pool_head_dim
@@ -44,12 +45,11 @@ def program_case(model: dict, engine: dict, shape: dict):
 
 
 def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
-    """The batch of `entries` as a v6e server with `engine_cfg` builds it: its shape bucket and
-    its attention plan at v6e's block sizes."""
+    """The batch of `entries` as a v6e server with `engine_cfg` builds it, its shape bucket
+    and its block sizes."""
     buckets = engine_cfg.buckets(cfg, v6e_devices(1)[0])
     shape = buckets.shape(sum(e.new_tokens for e in entries), len(labels), len(entries))
-    return shape, build_batch(entries, labels, shape, buckets.page_size, _POOL_PAGES,
-                              buckets.sizes), buckets.sizes
+    return shape, build_batch(entries, labels, shape, buckets.page_size), buckets.sizes
 
 
 def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels,
@@ -90,11 +90,12 @@ def _level_summary(level, priced: dict, top: int = 5) -> dict:
 def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_size: int,
                       schedules: dict, labels, with_lse: bool) -> dict:
     """Each kernel of the forward at the batch's real work."""
-    plan, d = batch.attention.plan, pool_head_dim(cfg, "pallas")
+    plan, d = host_plan(batch.attention, sizes, page_size), pool_head_dim(cfg, "pallas")
     steps = visited_kv_blocks(plan)
     attn = attention_cost(steps, real_q_blocks(plan), sizes.q_block * cfg.num_heads
                           // cfg.num_kv_heads, cfg.num_kv_heads, d, sizes.kv_block, 2)
-    real_pages = int(np.sum(np.asarray(batch.kv_pages) < _POOL_PAGES))
+    page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
+    real_pages = int(np.sum(page_ids < _POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
     mode = ("labels_only" if not with_lse and label_tiles_pay(runs, n_labels, cfg.vocab_size)
             else "streamed_logsumexp")
@@ -106,7 +107,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
                                         attn.bytes_accessed),
         "kv_write": kv_write_estimate(
-            schedules["write_kv_pages"], -(-shape.written_pages // PAGES_PER_STEP),
+            schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP),
             PAGES_PER_STEP, real_pages,
             cfg.num_kv_heads * page_size * d * 2),
         "gather": {"mode": mode, **label_gather_estimate(
