@@ -155,9 +155,6 @@ class _Segments(NamedTuple):
     def min(self, x):
         return _scan(jnp.minimum, self.starts, x)[self.last]
 
-    def max(self, x):
-        return _scan(jnp.maximum, self.starts, x)[self.last]
-
 
 def _segments(seq, real, block: int, n_seqs: int) -> _Segments:
     """Each block start or sequence start begins a segment: at most one a block and one more
@@ -208,7 +205,7 @@ def _kv_block_steps(pos, vis, seq, real, shared_lens, splits, sizes: BlockSizes,
     and [vis, pos]) that lie below its sequence's split, ascending."""
     seg = _segments(seq, real, sizes.q_block, len(shared_lens))
     first, s = seg.first, jnp.maximum(seq[seg.first], 0)
-    p_max, a_min = seg.max(pos), seg.min(vis)
+    p_max, a_min = pos[seg.last], seg.min(vis)  # positions rise within a segment
     kvb = sizes.kv_block
     shared_end = _ceil_div(jnp.minimum(shared_lens[s], p_max + 1), kvb)  # blocks [0, end)
     lo, hi = a_min // kvb, p_max // kvb + 1                              # and [lo, hi)
@@ -235,7 +232,7 @@ def _item_window_steps(pos, vis, seq, real, splits, sizes: BlockSizes, page_size
     split = splits[jnp.maximum(seq, 0)]
     past = real & (pos >= split)
     lo = seg.min(jnp.where(past, jnp.maximum(vis, split), jnp.iinfo(jnp.int32).max))
-    hi = seg.max(jnp.where(past, pos, -1))
+    hi = jnp.where(past[seg.last], pos[seg.last], -1)  # past the split: a segment's tail
     lo = lo // page_size * page_size
     valid = (jnp.arange(seg.size) < seg.count) & (hi >= 0)
     counts = jnp.where(valid, _ceil_div(hi + 1 - lo, sizes.item_kv_block), 0)
