@@ -136,45 +136,51 @@ def _token_rows(cu, kv_lens, n_tokens: int):
     return pos, jnp.where(real, seq, -1)
 
 
-def _scan(op, starts, x):
-    """`op` accumulated over each run of `x` that `starts` begins, inclusive. A log-depth
-    scan: no scatter, which XLA's segment reductions would be."""
-    def combine(a, b):
-        return a[0] | b[0], jnp.where(b[0], b[1], op(a[1], b[1]))
-    return jax.lax.associative_scan(combine, (starts, x))[1]
-
-
 class _Segments(NamedTuple):
-    """The (block, sequence) pieces of the real tokens, padded to a bound."""
-    starts: jax.Array  # [T] whether a token begins a segment
+    """The (block, sequence) pieces of the real tokens, padded to a bound. A segment lies in
+    one block, so a reduction over each is one over its block's row: no scan (a log-depth
+    scan of pairs took a second of XLA's CPU compile each)."""
     first: jax.Array   # [size] each segment's first token
-    last: jax.Array    # [size] and its last (padding segments: anything in range)
+    last: jax.Array    # [size] and its last (padding segments: an empty or any range)
     count: jax.Array   # [] real segments
-    size: int          # the bound
+    block: int
 
-    def min(self, x):
-        return _scan(jnp.minimum, self.starts, x)[self.last]
+    def reduce(self, op, x, fill):
+        """`op` (jnp.min or jnp.max) of `x` over each segment's tokens."""
+        rows = _ceil_div(len(x), self.block)
+        x = jnp.pad(x, (0, rows * self.block - len(x))).reshape(rows, self.block)
+        row = self.first // self.block
+        t = row[:, None] * self.block + jnp.arange(self.block, dtype=jnp.int32)
+        inside = (t >= self.first[:, None]) & (t <= self.last[:, None])
+        return op(jnp.where(inside, x[row], fill), axis=1)
 
 
-def _segments(seq, real, block: int, n_seqs: int) -> _Segments:
-    """Each block start or sequence start begins a segment: at most one a block and one more
-    a sequence start within a block."""
-    t = jnp.arange(len(seq), dtype=jnp.int32)
-    starts = real & ((t % block == 0) | (seq != jnp.roll(seq, 1)))
-    ids = jnp.where(real, jnp.cumsum(starts, dtype=jnp.int32) - 1, len(seq))
-    size = _ceil_div(len(seq), block) + max(n_seqs - 1, 0)
-    k = jnp.arange(size, dtype=jnp.int32)
-    first = jnp.searchsorted(ids, k, side="left", method="scan_unrolled").astype(jnp.int32)
-    last = jnp.searchsorted(ids, k, side="right", method="scan_unrolled").astype(jnp.int32) - 1
-    return _Segments(starts, jnp.minimum(first, len(seq) - 1), jnp.clip(last, 0, len(seq) - 1),
-                     jnp.sum(starts, dtype=jnp.int32), size)
+def _segments(cu, n_tokens: int, block: int) -> _Segments:
+    """A segment begins at each block start and each sequence start within the real tokens
+    (a prefix), so the starts are the sorted union of two short lists: each start's place is
+    its count of smaller ones (no cumulative sum over the tokens: a scan, slow to compile).
+    At most one a block and one more a sequence start within a block."""
+    n_blocks, n_real = _ceil_div(n_tokens, block), cu[-1]
+    candidates = jnp.concatenate([jnp.arange(n_blocks, dtype=jnp.int32) * block, cu[:-1]])
+    block_start = jnp.arange(len(candidates)) < n_blocks
+    valid = jnp.where(block_start, candidates < n_real,
+                      (jnp.pad(cu[1:], (n_blocks, 0)) > candidates) & (candidates % block != 0))
+    starts = jnp.where(valid, candidates, n_tokens)
+    place = jnp.sum(starts[None, :] < starts[:, None], axis=1)
+    k = jnp.arange(n_blocks + max(len(cu) - 2, 0), dtype=jnp.int32)  # the bound: one start less
+    first = jnp.sum(jnp.where(valid & (place == k[:, None]), starts, 0), axis=1)
+    count = jnp.sum(valid, dtype=jnp.int32)
+    last = jnp.where(k + 1 < count, jnp.roll(first, -1) - 1, n_real - 1)
+    return _Segments(first.astype(jnp.int32), jnp.clip(last, 0, n_tokens - 1), count, block)
 
 
 def expand_ranges(starts, counts, size: int):
     """The ranges [start, start + count), concatenated and padded to `size` by repeating the
-    last element: (range index, value) per element, and the real elements' count."""
-    ends = jnp.cumsum(counts, dtype=jnp.int32)
-    total = ends[-1]
+    last element: (range index, value) per element, and the real elements' count. The ranges
+    are few: their ends are sums under a triangle, not a scan."""
+    j = jnp.arange(len(counts))
+    ends = jnp.sum(jnp.where(j <= j[:, None], counts, 0), axis=1, dtype=jnp.int32)
+    total = jnp.sum(counts, dtype=jnp.int32)
     j = jnp.minimum(jnp.arange(size, dtype=jnp.int32), jnp.maximum(total - 1, 0))
     which = jnp.searchsorted(ends, j, side="right", method="compare_all").astype(jnp.int32)
     which = jnp.minimum(which, len(counts) - 1)
@@ -182,30 +188,30 @@ def expand_ranges(starts, counts, size: int):
     return which, value, total
 
 
-def _kv_splits(pos, vis, seq, real, cu, shared_lens, kv_lens, sizes: BlockSizes):
+def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
+               sizes: BlockSizes):
     """Where each sequence's block steps stop: its query's L if item steps can take the
     positions past it, each row seeing at most item_kv_block of them, and they lie past the
     KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
     s = jnp.maximum(seq, 0)
     past = jnp.where(real, pos - jnp.maximum(vis, shared_lens[s]) + 1, 0)
-    t = jnp.arange(len(seq), dtype=jnp.int32)
-    scanned = _scan(jnp.maximum, (t == 0) | (seq != jnp.roll(seq, 1)), past)
-    last = scanned[jnp.clip(cu[1:] - 1, 0, len(seq) - 1)]  # each sequence's last token
-    past_query = jnp.where(cu[1:] > cu[:-1], jnp.maximum(last, 0), 0)
+    of_seq = ((seq[seg.first] == jnp.arange(len(shared_lens))[:, None])
+              & (jnp.arange(len(seg.first)) < seg.count))  # [S, segments]
+    past_query = jnp.max(jnp.where(of_seq, seg.reduce(jnp.max, past, 0), 0), axis=1)
     query_blocks_end = _ceil_div(shared_lens, sizes.kv_block) * sizes.kv_block
     items = ((sizes.item_q_block > 0) & (shared_lens > 0)
              & (past_query <= sizes.item_kv_block) & (kv_lens > query_blocks_end))
     return jnp.where(items, shared_lens, kv_lens).astype(jnp.int32)
 
 
-def _kv_block_steps(pos, vis, seq, real, shared_lens, splits, sizes: BlockSizes,
-                    max_steps: int):
+def _kv_block_steps(pos, vis, seq, seg: _Segments, shared_lens, splits,
+                    sizes: BlockSizes, max_steps: int):
     """(q block, sequence, KV block) of each step, and the real steps' count: per segment,
     the KV blocks some row sees (the rule `sees` on intervals: a row sees [0, min(L, pos + 1))
     and [vis, pos]) that lie below its sequence's split, ascending."""
-    seg = _segments(seq, real, sizes.q_block, len(shared_lens))
     first, s = seg.first, jnp.maximum(seq[seg.first], 0)
-    p_max, a_min = pos[seg.last], seg.min(vis)  # positions rise within a segment
+    p_max = pos[seg.last]  # positions rise within a segment
+    a_min = seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max)
     kvb = sizes.kv_block
     shared_end = _ceil_div(jnp.minimum(shared_lens[s], p_max + 1), kvb)  # blocks [0, end)
     lo, hi = a_min // kvb, p_max // kvb + 1                              # and [lo, hi)
@@ -214,7 +220,7 @@ def _kv_block_steps(pos, vis, seq, real, shared_lens, splits, sizes: BlockSizes,
     starts = jnp.stack([jnp.zeros_like(lo), lo], 1).ravel()
     ends = jnp.stack([jnp.where(merged, jnp.maximum(shared_end, hi), shared_end),
                       jnp.where(merged, lo, hi)], 1).ravel()
-    valid = jnp.repeat(jnp.arange(seg.size) < seg.count, 2)
+    valid = jnp.repeat(jnp.arange(len(first)) < seg.count, 2)
     counts = jnp.where(valid, jnp.maximum(jnp.minimum(ends, jnp.repeat(limit, 2)) - starts, 0),
                        0)
     which, kv, total = expand_ranges(starts, counts, max_steps)
@@ -222,19 +228,20 @@ def _kv_block_steps(pos, vis, seq, real, shared_lens, splits, sizes: BlockSizes,
     return _or_zeros(total, first[segment] // sizes.q_block, s[segment], kv), total
 
 
-def _item_window_steps(pos, vis, seq, real, splits, sizes: BlockSizes, page_size: int,
+def _item_window_steps(pos, vis, seq, real, cu, splits, sizes: BlockSizes, page_size: int,
                        max_steps: int):
     """(item q block, sequence, window start) of each item step, and the real ones' count:
     per segment of item_q_block tokens, windows of item_kv_block positions from the first
     position past the split some row sees, page-aligned, to the last."""
-    seg = _segments(seq, real, sizes.item_q_block, len(splits))
+    seg = _segments(cu, len(seq), sizes.item_q_block)
     first, s = seg.first, jnp.maximum(seq[seg.first], 0)
     split = splits[jnp.maximum(seq, 0)]
     past = real & (pos >= split)
-    lo = seg.min(jnp.where(past, jnp.maximum(vis, split), jnp.iinfo(jnp.int32).max))
+    never = jnp.iinfo(jnp.int32).max
+    lo = seg.reduce(jnp.min, jnp.where(past, jnp.maximum(vis, split), never), never)
     hi = jnp.where(past[seg.last], pos[seg.last], -1)  # past the split: a segment's tail
     lo = lo // page_size * page_size
-    valid = (jnp.arange(seg.size) < seg.count) & (hi >= 0)
+    valid = (jnp.arange(len(first)) < seg.count) & (hi >= 0)
     counts = jnp.where(valid, _ceil_div(hi + 1 - lo, sizes.item_kv_block), 0)
     which, k, total = expand_ranges(jnp.zeros_like(lo), counts, max_steps)
     return _or_zeros(total, first[which] // sizes.item_q_block, s[which],
@@ -263,16 +270,17 @@ def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_step
     pos, seq = _token_rows(cu, kv_lens, len(vis))
     real = seq >= 0
     args = (pos, vis, seq, real)
-    splits = _kv_splits(*args, cu, shared_lens, kv_lens, sizes)
-    (block, step_seq, kv), total = _kv_block_steps(*args, shared_lens, splits, sizes,
-                                                   max_steps)
+    seg = _segments(cu, len(seq), sizes.q_block)
+    splits = _kv_splits(*args, seg, shared_lens, kv_lens, sizes)
+    (block, step_seq, kv), total = _kv_block_steps(pos, vis, seq, seg, shared_lens, splits,
+                                                   sizes, max_steps)
     plan = AttentionPlan(token_pos=pos, token_seq=seq, step_block=block.astype(jnp.int32),
                          step_seq=step_seq.astype(jnp.int32), step_kv=kv.astype(jnp.int32),
                          step_flags=_block_flags(block, total),
                          num_steps=jnp.clip(total, 1, max_steps).astype(jnp.int32))
     if not sizes.item_q_block:
         return plan, total, jnp.int32(0)
-    (i_block, i_seq, start), i_total = _item_window_steps(*args, splits, sizes, page_size,
+    (i_block, i_seq, start), i_total = _item_window_steps(*args, cu, splits, sizes, page_size,
                                                           max_item_steps)
     items = ItemSteps(block=i_block.astype(jnp.int32), seq=i_seq.astype(jnp.int32),
                       start=start.astype(jnp.int32),

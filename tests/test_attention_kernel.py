@@ -354,6 +354,7 @@ def test_plan_equals_its_rule_segment_by_segment(seed):
     page = int(rng.choice([8, 16]))
     specs = random_specs(rng) + [("items", int(rng.integers(0, 70)),
                                   rng.integers(0, 30, int(rng.integers(1, 12))).tolist())]
+    specs.insert(int(rng.integers(0, len(specs) + 1)), ("causal", 0))  # a sequence of none
     _, _, _, md, _ = random_batch(rng, specs, hq=1, hkv=1, d=8, page_size=page,
                                   dtype=jnp.float32)
     sizes = BlockSizes(8 * int(rng.integers(1, 5)), page * int(rng.integers(1, 4)))
