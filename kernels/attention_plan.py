@@ -142,8 +142,13 @@ class _Segments(NamedTuple):
     scan of pairs took a second of XLA's CPU compile each)."""
     first: jax.Array   # [size] each segment's first token
     last: jax.Array    # [size] and its last (padding segments: an empty or any range)
+    seq: jax.Array     # [size] and its sequence
     count: jax.Array   # [] real segments
     block: int
+
+    @property
+    def real(self):
+        return jnp.arange(len(self.first)) < self.count
 
     def reduce(self, op, x, fill):
         """`op` (jnp.min or jnp.max) of `x` over each segment's tokens."""
@@ -155,11 +160,12 @@ class _Segments(NamedTuple):
         return op(jnp.where(inside, x[row], fill), axis=1)
 
 
-def _segments(cu, n_tokens: int, block: int) -> _Segments:
+def _segments(cu, seq, block: int) -> _Segments:
     """A segment begins at each block start and each sequence start within the real tokens
     (a prefix), so the starts are the sorted union of two short lists: each start's place is
     its count of smaller ones (no cumulative sum over the tokens: a scan, slow to compile).
     At most one a block and one more a sequence start within a block."""
+    n_tokens = len(seq)
     n_blocks, n_real = _ceil_div(n_tokens, block), cu[-1]
     candidates = jnp.concatenate([jnp.arange(n_blocks, dtype=jnp.int32) * block, cu[:-1]])
     block_start = jnp.arange(len(candidates)) < n_blocks
@@ -171,7 +177,8 @@ def _segments(cu, n_tokens: int, block: int) -> _Segments:
     first = jnp.sum(jnp.where(valid & (place == k[:, None]), starts, 0), axis=1)
     count = jnp.sum(valid, dtype=jnp.int32)
     last = jnp.where(k + 1 < count, jnp.roll(first, -1) - 1, n_real - 1)
-    return _Segments(first.astype(jnp.int32), jnp.clip(last, 0, n_tokens - 1), count, block)
+    return _Segments(first.astype(jnp.int32), jnp.clip(last, 0, n_tokens - 1),
+                     jnp.maximum(seq[first], 0), count, block)
 
 
 def expand_ranges(starts, counts, size: int):
@@ -195,8 +202,7 @@ def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
     KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
     s = jnp.maximum(seq, 0)
     past = jnp.where(real, pos - jnp.maximum(vis, shared_lens[s]) + 1, 0)
-    of_seq = ((seq[seg.first] == jnp.arange(len(shared_lens))[:, None])
-              & (jnp.arange(len(seg.first)) < seg.count))  # [S, segments]
+    of_seq = (seg.seq == jnp.arange(len(shared_lens))[:, None]) & seg.real  # [S, segments]
     past_query = jnp.max(jnp.where(of_seq, seg.reduce(jnp.max, past, 0), 0), axis=1)
     query_blocks_end = _ceil_div(shared_lens, sizes.kv_block) * sizes.kv_block
     items = ((sizes.item_q_block > 0) & (shared_lens > 0)
@@ -204,12 +210,12 @@ def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
     return jnp.where(items, shared_lens, kv_lens).astype(jnp.int32)
 
 
-def _kv_block_steps(pos, vis, seq, seg: _Segments, shared_lens, splits,
-                    sizes: BlockSizes, max_steps: int):
+def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockSizes,
+                    max_steps: int):
     """(q block, sequence, KV block) of each step, and the real steps' count: per segment,
     the KV blocks some row sees (the rule `sees` on intervals: a row sees [0, min(L, pos + 1))
     and [vis, pos]) that lie below its sequence's split, ascending."""
-    first, s = seg.first, jnp.maximum(seq[seg.first], 0)
+    first, s = seg.first, seg.seq
     p_max = pos[seg.last]  # positions rise within a segment
     a_min = seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max)
     kvb = sizes.kv_block
@@ -220,7 +226,7 @@ def _kv_block_steps(pos, vis, seq, seg: _Segments, shared_lens, splits,
     starts = jnp.stack([jnp.zeros_like(lo), lo], 1).ravel()
     ends = jnp.stack([jnp.where(merged, jnp.maximum(shared_end, hi), shared_end),
                       jnp.where(merged, lo, hi)], 1).ravel()
-    valid = jnp.repeat(jnp.arange(len(first)) < seg.count, 2)
+    valid = jnp.repeat(seg.real, 2)
     counts = jnp.where(valid, jnp.maximum(jnp.minimum(ends, jnp.repeat(limit, 2)) - starts, 0),
                        0)
     which, kv, total = expand_ranges(starts, counts, max_steps)
@@ -228,20 +234,19 @@ def _kv_block_steps(pos, vis, seq, seg: _Segments, shared_lens, splits,
     return _or_zeros(total, first[segment] // sizes.q_block, s[segment], kv), total
 
 
-def _item_window_steps(pos, vis, seq, real, cu, splits, sizes: BlockSizes, page_size: int,
-                       max_steps: int):
+def _item_window_steps(pos, vis, seq, real, seg: _Segments, splits, sizes: BlockSizes,
+                       page_size: int, max_steps: int):
     """(item q block, sequence, window start) of each item step, and the real ones' count:
     per segment of item_q_block tokens, windows of item_kv_block positions from the first
     position past the split some row sees, page-aligned, to the last."""
-    seg = _segments(cu, len(seq), sizes.item_q_block)
-    first, s = seg.first, jnp.maximum(seq[seg.first], 0)
+    first, s = seg.first, seg.seq
     split = splits[jnp.maximum(seq, 0)]
     past = real & (pos >= split)
     never = jnp.iinfo(jnp.int32).max
     lo = seg.reduce(jnp.min, jnp.where(past, jnp.maximum(vis, split), never), never)
     hi = jnp.where(past[seg.last], pos[seg.last], -1)  # past the split: a segment's tail
     lo = lo // page_size * page_size
-    valid = (jnp.arange(len(first)) < seg.count) & (hi >= 0)
+    valid = seg.real & (hi >= 0)
     counts = jnp.where(valid, _ceil_div(hi + 1 - lo, sizes.item_kv_block), 0)
     which, k, total = expand_ranges(jnp.zeros_like(lo), counts, max_steps)
     return _or_zeros(total, first[which] // sizes.item_q_block, s[which],
@@ -270,18 +275,18 @@ def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_step
     pos, seq = _token_rows(cu, kv_lens, len(vis))
     real = seq >= 0
     args = (pos, vis, seq, real)
-    seg = _segments(cu, len(seq), sizes.q_block)
+    seg = _segments(cu, seq, sizes.q_block)
     splits = _kv_splits(*args, seg, shared_lens, kv_lens, sizes)
-    (block, step_seq, kv), total = _kv_block_steps(pos, vis, seq, seg, shared_lens, splits,
-                                                   sizes, max_steps)
+    (block, step_seq, kv), total = _kv_block_steps(pos, vis, seg, shared_lens, splits, sizes,
+                                                   max_steps)
     plan = AttentionPlan(token_pos=pos, token_seq=seq, step_block=block.astype(jnp.int32),
                          step_seq=step_seq.astype(jnp.int32), step_kv=kv.astype(jnp.int32),
                          step_flags=_block_flags(block, total),
                          num_steps=jnp.clip(total, 1, max_steps).astype(jnp.int32))
     if not sizes.item_q_block:
         return plan, total, jnp.int32(0)
-    (i_block, i_seq, start), i_total = _item_window_steps(*args, cu, splits, sizes, page_size,
-                                                          max_item_steps)
+    (i_block, i_seq, start), i_total = _item_window_steps(
+        *args, _segments(cu, seq, sizes.item_q_block), splits, sizes, page_size, max_item_steps)
     items = ItemSteps(block=i_block.astype(jnp.int32), seq=i_seq.astype(jnp.int32),
                       start=start.astype(jnp.int32),
                       num_steps=jnp.minimum(i_total, max_item_steps).astype(jnp.int32))
