@@ -58,9 +58,10 @@ def forward_requests(bucket: int, vocab: int, rng) -> list[ScoreRequest]:
     ec, labels = bucket_config(bucket), rng.integers(0, vocab, LABELS).tolist()
     reqs = []
     for seq in fill(bucket, ec.max_seqs, ec.max_rows, vocab, rng):
-        starts = [seq.shared_len] + [r + 1 for r in seq.score_rows[:-1]]
-        items = [seq.tokens[a:r + 1] for a, r in zip(starts, seq.score_rows)]
-        reqs.append(ScoreRequest(seq.tokens[:seq.shared_len], items, labels))
+        tokens, rows = seq.tokens.tolist(), seq.score_rows.tolist()
+        starts = [seq.shared_len] + [r + 1 for r in rows[:-1]]
+        items = [tokens[a:r + 1] for a, r in zip(starts, rows)]
+        reqs.append(ScoreRequest(tokens[:seq.shared_len], items, labels))
     return reqs
 
 

@@ -25,7 +25,7 @@ class ScheduledSeq:
     cached: int = 0   # leading tokens whose K/V are in the pages already
 
     def __post_init__(self):
-        if self.cached > min(self.seq.score_rows, default=len(self.seq.tokens)):
+        if self.cached > self.seq.score_rows.min(initial=len(self.seq.tokens)):
             raise ValueError(f"{self.cached} cached tokens cover a scored row: it must be computed")
 
     @property
@@ -46,6 +46,10 @@ def _flat(lists) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(lists), np.int32)
 
 
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+
+
 def _rows(lists, n_rows: int, width: int) -> np.ndarray:
     """Lists of ints as the leading rows of an [n_rows, width] array, zero-padded."""
     lens = np.fromiter(map(len, lists), np.int64, len(lists))
@@ -59,7 +63,7 @@ def _rows(lists, n_rows: int, width: int) -> np.ndarray:
 
 def _new(entries: list[ScheduledSeq], field: str) -> np.ndarray:
     """A per-token field of the sequences' new tokens, packed."""
-    return _flat(getattr(e.seq, field)[e.cached:] for e in entries)
+    return _joined([getattr(e.seq, field)[e.cached:] for e in entries])
 
 
 def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int):
@@ -80,8 +84,8 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int):
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
                 page_size: int, with_logsumexp: bool = False) -> ForwardBatch:
     attention, offsets = _attention(entries, shape, page_size)
-    rows = _flat([o - e.cached + r for r in e.seq.score_rows]
-                 for o, e in zip(offsets.tolist(), entries))
+    rows = _joined([e.seq.score_rows + (o - e.cached) for o, e in zip(offsets.tolist(),
+                                                                       entries)])
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
     return ForwardBatch(

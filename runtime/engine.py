@@ -215,7 +215,7 @@ class Engine:
             raise ScoreError(f"the prompt of items[{k}] has {n} tokens, more than the "
                              f"maximum of {self.max_prompt_tokens}")
 
-    def _sequences(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, list[int]]]:
+    def _sequences(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, range]]:
         """The request's sequences, each with the items it scores. item_first: one causal
         sequence per item; otherwise multi-item sequences of the query and as many items as
         one forward and the model's context take."""
@@ -224,13 +224,13 @@ class Engine:
             seqs = [causal_sequence(start + item + query) for item in items]
             for k, s in enumerate(seqs):
                 self._prompt_check(len(s.tokens), k)
-            return [(s, [k]) for k, s in enumerate(seqs)]
+            return [(s, range(k, k + 1)) for k, s in enumerate(seqs)]
         head = start + query
         for k, item in enumerate(items):
             self._prompt_check(len(head) + len(item), k)
         chunks = item_chunks(len(head), [len(i) for i in items], self.max_prompt_tokens,
                              self.engine_cfg.max_rows)
-        return [(multi_item_sequence(head, [items[k] for k in c]), list(c)) for c in chunks]
+        return [(multi_item_sequence(head, [items[k] for k in c]), c) for c in chunks]
 
 
 def _reranker(name: str, tokenizer: TextTokenizer,

@@ -52,9 +52,10 @@ class Job:
         """False once cancelled, failed or answered: its remaining units are dropped."""
         return not self.future.done()
 
-    def unit_done(self, items: list[int], logits: np.ndarray, lse: np.ndarray,
+    def unit_done(self, items: range, logits: np.ndarray, lse: np.ndarray,
                   prompt_tokens: int) -> None:
-        self.logits[items], self.lse[items] = logits[:, :len(self.labels)], lse
+        rows = slice(items.start, items.stop)  # a unit's items are consecutive
+        self.logits[rows], self.lse[rows] = logits[:, :len(self.labels)], lse
         self._pending, self._prompt_tokens = self._pending - 1, self._prompt_tokens + prompt_tokens
         if self._pending == 0:
             self._answer()
@@ -78,4 +79,4 @@ class Unit:
     """One sequence of a job, scoring `items` (its rows, in order)."""
     job: Job
     seq: Sequence
-    items: list[int]
+    items: range

@@ -1,35 +1,53 @@
 """Sequences of one forward pass (CONTRACT §4): multi-item packing and plain causal prompts."""
 import dataclasses
 
+import numpy as np
+
 Tokens = list[int]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sequence:
-    tokens: Tokens
-    positions: list[int]     # RoPE positions
-    visible_from: list[int]  # a(i) per token
-    shared_len: int          # L: KV positions every token sees (a multi-item query)
-    score_rows: list[int]    # indices into tokens of the rows to score, one per item
+    """Per-token fields as int32 arrays, made where the request is taken apart (its own
+    thread), so that the scheduler slices and concatenates them instead of walking lists."""
+    tokens: np.ndarray        # [n]
+    positions: np.ndarray     # [n] RoPE positions
+    visible_from: np.ndarray  # [n] a(i) per token
+    shared_len: int           # L: KV positions every token sees (a multi-item query)
+    score_rows: np.ndarray    # [items] indices into tokens of the rows to score, one per item
+    cacheable: int = dataclasses.field(init=False)  # see `causal_prefix_len`
+
+    def __post_init__(self):
+        for name in ("tokens", "positions", "visible_from", "score_rows"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), np.int32))
+        object.__setattr__(self, "cacheable", causal_prefix_len(self.positions,
+                                                                self.visible_from))
+
+
+def causal_prefix_len(positions: np.ndarray, visible_from: np.ndarray) -> int:
+    """Leading tokens whose K/V are those of a plain causal prompt (the prefix cache may hold
+    them): the query of a multi-item sequence (and its first item if the query is empty)."""
+    plain = (positions == np.arange(len(positions))) & (visible_from == 0)
+    return len(plain) if plain.all() else int(plain.argmin())
 
 
 def causal_sequence(prompt: Tokens) -> Sequence:
     n = len(prompt)
-    return Sequence(list(prompt), list(range(n)), [0] * n, 0, [n - 1])
+    return Sequence(prompt, np.arange(n), np.zeros(n), 0, [n - 1])
 
 
 def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
     """query, item_1, ..., item_N in one sequence; item k attends to the query and itself."""
-    shared = len(query)
-    tokens, positions, visible = list(query), list(range(shared)), [0] * shared
-    rows = []
-    for item in items:
-        start = len(tokens)
-        tokens += item
-        positions += range(shared, shared + len(item))
-        visible += [start] * len(item)
-        rows.append(len(tokens) - 1 if item else shared - 1)
-    return Sequence(tokens, positions, visible, shared, rows)
+    shared, lens = len(query), np.fromiter(map(len, items), np.int64, len(items))
+    ends = shared + np.cumsum(lens)
+    starts = ends - lens
+    owner = np.repeat(np.arange(len(items)), lens)  # the item of each item token
+    tokens = np.concatenate([np.asarray(query, np.int32).reshape(-1)]
+                            + [np.asarray(i, np.int32).reshape(-1) for i in items])
+    within = np.arange(len(tokens) - shared) - (starts - shared)[owner]
+    return Sequence(tokens, np.concatenate([np.arange(shared), shared + within]),
+                    np.concatenate([np.zeros(shared, np.int64), starts[owner]]), shared,
+                    np.where(lens > 0, ends - 1, shared - 1))
 
 
 def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: int) -> list[range]:
@@ -44,12 +62,3 @@ def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: in
     if start < len(item_lens):
         chunks.append(range(start, len(item_lens)))
     return chunks
-
-
-def cacheable_len(seq: Sequence) -> int:
-    """Leading tokens whose K/V are those of a plain causal prompt (the prefix cache may hold them):
-    the query of a multi-item sequence (and its first item if the query is empty)."""
-    for i, (pos, vis) in enumerate(zip(seq.positions, seq.visible_from)):
-        if pos != i or vis != 0:
-            return i
-    return len(seq.tokens)

@@ -28,7 +28,6 @@ from runtime.buckets import BatchShape, ShapeBuckets, pages_needed
 from runtime.errors import ScoreError
 from runtime.job import Job, Unit
 from runtime.model_runner import ModelRunner, Pending
-from runtime.packing import cacheable_len
 from runtime.pages import PagePool
 from runtime.prefix_cache import PrefixCache
 from runtime.wait_queue import WaitQueue
@@ -170,8 +169,8 @@ class Scheduler:
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
         """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
-        size, shareable = self.buckets.page_size, cacheable_len(seq)
-        reusable = min(min(seq.score_rows), shareable) // size
+        size, shareable = self.buckets.page_size, seq.cacheable
+        reusable = min(int(seq.score_rows.min()), shareable) // size
         cached = self.prefix_cache.match(seq.tokens, reusable) if self.prefix_cache else []
         new = pages_needed(len(seq.tokens), size) - len(cached)
         if len(seq.tokens) - len(cached) * size > token_budget or not self._make_room(new):

@@ -69,11 +69,18 @@ def test_a_request_longer_than_the_context_is_cut_where_each_prompt_fits(model_d
 
 def test_multi_item_sequence_layout():
     seq = multi_item_sequence([10, 11, 12], [[20, 21], [], [30]])
-    assert seq.tokens == [10, 11, 12, 20, 21, 30]
-    assert seq.positions == [0, 1, 2, 3, 4, 3]
-    assert seq.visible_from == [0, 0, 0, 3, 3, 5]
+    assert seq.tokens.tolist() == [10, 11, 12, 20, 21, 30]
+    assert seq.positions.tolist() == [0, 1, 2, 3, 4, 3]
+    assert seq.visible_from.tolist() == [0, 0, 0, 3, 3, 5]
     assert seq.shared_len == 3
-    assert seq.score_rows == [4, 2, 5]
+    assert seq.score_rows.tolist() == [4, 2, 5]
+    assert seq.cacheable == 3  # the query's K/V are a causal prompt's; the items' are not
+
+
+def test_without_a_query_the_first_item_is_a_causal_prompt():
+    seq = multi_item_sequence([], [[20, 21], [30]])
+    assert seq.positions.tolist() == [0, 1, 0] and seq.visible_from.tolist() == [0, 0, 2]
+    assert seq.cacheable == 2
 
 
 def test_item_chunks_respect_budget():

@@ -70,17 +70,21 @@ def test_held_pages_are_never_evicted():
     assert cache.evict(4) == 2 and pool.free_count == 4
 
 
-def test_insert_keeps_the_first_page_of_a_prefix_and_remove_drops_subtrees():
+def test_insert_keeps_the_first_page_of_a_prefix_and_clear_drops_everything():
     pool, cache = cache_with()
     first = pool.allocate(2)
-    added = cache.insert([5, 5, 6, 6], first)
+    assert cache.insert([5, 5, 6, 6], first) == 2
     second = pool.allocate(2)
-    assert cache.insert([5, 5, 6, 6], second) == []  # cached already: the page stays private
+    assert cache.insert([5, 5, 6, 6], second) == 0  # cached already: the pages stay private
     pool.release(second)
     assert cache.match([5, 5, 6, 6], 2) == first
     pool.release(first)
     pool.release(first)
-    cache.remove(added[:1] + added)  # an ancestor and its descendant: released once each
+    third = pool.allocate(3)
+    assert cache.insert([5, 5, 7, 7, 8, 8], third) == 2  # shares [5, 5]: the node splits
+    pool.release(third)
+    assert sorted(cache.pages()) == sorted(first + third[1:])
+    cache.clear()
     assert cache.pages() == [] and pool.free_count == 8
     pool.check([])
 
@@ -114,3 +118,44 @@ def test_evicting_a_page_costs_the_same_in_a_pool_of_a_million_tokens():
         best["large"] = min(best["large"], seconds_per_eviction(large, 1000))
         best["small"] = min(best["small"], seconds_per_eviction(small, 1000))
     assert best["large"] < 1.5 * best["small"], best
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_use_keeps_pages_prefixes_and_counts_right(seed):
+    """Queries from a small alphabet (so that they share prefixes and nodes split), matched,
+    cached, held by forwards for a while and evicted at random. After every step: each page
+    the cache holds is the one written for its prefix, every prefix's shorter prefixes are
+    cached too, a match is the longest cached prefix, and the pool's counts equal the
+    holders'."""
+    rng, size = np.random.default_rng(seed), 2
+    pool, cache = cache_with(num_pages=40, page_size=size)
+    written, held = {}, []  # page -> the tokens whose K/V it holds (through its last row)
+    for _ in range(400):
+        tokens = rng.integers(0, 3, int(rng.integers(1, 13))).tolist()
+        full = len(tokens) // size
+        cached = cache.match(tokens, full)
+        new = -(-len(tokens) // size) - len(cached)
+        if new > pool.free_count:
+            cache.evict(new - pool.free_count)
+        if new > pool.free_count:
+            pool.release(cached)
+        else:
+            pages = cached + pool.allocate(new)
+            for i, page in enumerate(pages[len(cached):], len(cached)):
+                written[page] = tuple(tokens[:(i + 1) * size])
+            cache.insert(tokens, pages[:full])
+            held.append(pages)
+        while held and rng.random() < 0.5:
+            pool.release(held.pop(int(rng.integers(len(held)))))
+        if rng.random() < 0.2:
+            cache.evict(int(rng.integers(1, 6)))
+        prefixes = {written[p] for p in cache.pages()}
+        assert all(len(p) % size == 0 for p in prefixes)
+        assert all(p[:-size] in prefixes for p in prefixes if len(p) > size)
+        probe = rng.integers(0, 3, 12).tolist()
+        hit = cache.match(probe, 6)
+        assert [written[p] for p in hit] == [tuple(probe[:(i + 1) * size])
+                                            for i in range(len(hit))]
+        assert len(hit) == 6 or tuple(probe[:(len(hit) + 1) * size]) not in prefixes
+        pool.release(hit)
+        pool.check([cache.pages()] + held)

@@ -15,7 +15,7 @@ from tests.tiny_models import small_config
 
 def job_with_units(name: str, n: int) -> tuple[Job, list[Unit]]:
     job = Job(labels=[1], n_items=n, n_units=n, apply_softmax=True, is_classifier=False)
-    return job, [Unit(job, seq=f"{name}{k}", items=[k]) for k in range(n)]
+    return job, [Unit(job, seq=f"{name}{k}", items=range(k, k + 1)) for k in range(n)]
 
 
 def names(queue: WaitQueue) -> list[str]:
