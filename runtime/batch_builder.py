@@ -25,7 +25,7 @@ class ScheduledSeq:
     cached: int = 0   # leading tokens whose K/V are in the pages already
 
     def __post_init__(self):
-        if self.cached > self.seq.score_rows.min(initial=len(self.seq.tokens)):
+        if self.cached > self.seq.first_row:
             raise ValueError(f"{self.cached} cached tokens cover a scored row: it must be computed")
 
     @property

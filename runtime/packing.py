@@ -16,12 +16,15 @@ class Sequence:
     shared_len: int           # L: KV positions every token sees (a multi-item query)
     score_rows: np.ndarray    # [items] indices into tokens of the rows to score, one per item
     cacheable: int = dataclasses.field(init=False)  # see `causal_prefix_len`
+    first_row: int = dataclasses.field(init=False)  # the first scored row (n if none)
 
     def __post_init__(self):
         for name in ("tokens", "positions", "visible_from", "score_rows"):
             object.__setattr__(self, name, np.asarray(getattr(self, name), np.int32))
         object.__setattr__(self, "cacheable", causal_prefix_len(self.positions,
                                                                 self.visible_from))
+        object.__setattr__(self, "first_row", int(self.score_rows.min(
+            initial=len(self.tokens))))
 
 
 def causal_prefix_len(positions: np.ndarray, visible_from: np.ndarray) -> int:

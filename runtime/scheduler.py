@@ -170,7 +170,7 @@ class Scheduler:
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
         """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
         size, shareable = self.buckets.page_size, seq.cacheable
-        reusable = min(int(seq.score_rows.min()), shareable) // size
+        reusable = min(seq.first_row, shareable) // size
         cached = self.prefix_cache.match(seq.tokens, reusable) if self.prefix_cache else []
         new = pages_needed(len(seq.tokens), size) - len(cached)
         if len(seq.tokens) - len(cached) * size > token_budget or not self._make_room(new):
@@ -218,10 +218,8 @@ class Scheduler:
             self._fail(forward, e)
             return
         self._retire(forward)  # before any answer: a client with its answer finds them free
-        self._finish(forward, logits, lse)
         forward.host_s += time.thread_time() - start
-        self.stats.host_s += forward.host_s
-        self.stats.recent_host_s.append(forward.host_s)
+        self._finish(forward, logits, lse)
 
     def _retire(self, forward: _Forward) -> None:
         """Returns a forward's pages to the pool: no forward in flight reads them any more."""
@@ -246,7 +244,11 @@ class Scheduler:
             self._waiting.put_back([u for f in behind for u, _ in f.batch if u.job.active])
 
     def _finish(self, forward: _Forward, logits, lse) -> None:
+        """Counts the forward with its host time so far (a reader of the counters never sees
+        one move without the other), then answers its requests and adds that time."""
+        start = time.thread_time()
         self.stats.forwards += 1
+        self.stats.host_s += forward.host_s
         self.stats.padded_tokens += forward.shape.tokens
         row = 0
         for unit, entry in forward.batch:
@@ -256,6 +258,10 @@ class Scheduler:
             unit.job.unit_done(unit.items, logits[row:row + n], lse[row:row + n],
                                len(unit.seq.tokens))
             row += n
+        answering = time.thread_time() - start
+        forward.host_s += answering
+        self.stats.host_s += answering
+        self.stats.recent_host_s.append(forward.host_s)
 
     def _fail(self, forward: _Forward, error: Exception) -> None:
         self.stats.failed_forwards += 1

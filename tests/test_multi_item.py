@@ -75,6 +75,7 @@ def test_multi_item_sequence_layout():
     assert seq.shared_len == 3
     assert seq.score_rows.tolist() == [4, 2, 5]
     assert seq.cacheable == 3  # the query's K/V are a causal prompt's; the items' are not
+    assert seq.first_row == 2  # the empty item's row: the query's last token
 
 
 def test_without_a_query_the_first_item_is_a_causal_prompt():

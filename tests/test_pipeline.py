@@ -167,3 +167,26 @@ def test_random_faults_and_cancellations_with_three_forwards_in_flight(model_dir
         assert_no_leaked_pages(engine)
     finally:
         engine.close()
+
+
+def test_a_forward_is_counted_with_its_host_time(model_dirs, monkeypatch):
+    """When a forward's first answer is given, the forward counter and the scheduler's host
+    seconds have both moved for it: a reader of the two counters (the host-path benchmark's
+    CPU time a forward) never sees forwards without their host time."""
+    seen = []
+    real = Job.unit_done
+
+    def record(job, *args):
+        stats = engine.scheduler.stats
+        seen.append((stats.forwards, stats.host_s))
+        return real(job, *args)
+    engine = engine_of_depth(model_dirs, 2)
+    monkeypatch.setattr(Job, "unit_done", record)
+    try:
+        for req in (FIRST, SECOND, FIRST):
+            engine.submit(req).result(timeout=60)
+    finally:
+        engine.close()
+    assert [forwards for forwards, _ in seen] == [1, 2, 3]
+    host = [host_s for _, host_s in seen]
+    assert 0 < host[0] < host[1] < host[2]
