@@ -19,8 +19,8 @@ def pytest_configure(config):
     suite's subprocesses (servers, multi-host nodes) load it too. There is no TPU here for two
     processes to contend for. Most of the suite's time is XLA compiling the tiny models' CPU
     programs: LLVM's lowest optimization level takes a third off each compile and moves scores
-    by about 1e-6 relative, far inside the tests' bounds; the v6e compiles do not use LLVM
-    (docs/correctness.md)."""
+    by about 1e-6 relative, far inside the tests' bounds; a program compiled for v6e gave the
+    same optimized HLO with it and without (docs/correctness.md)."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8"
                                + " --xla_backend_optimization_level=0").strip()
