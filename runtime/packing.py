@@ -45,8 +45,7 @@ def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
     ends = shared + np.cumsum(lens)
     starts = ends - lens
     owner = np.repeat(np.arange(len(items)), lens)  # the item of each item token
-    tokens = np.concatenate([np.asarray(query, np.int32).reshape(-1)]
-                            + [np.asarray(i, np.int32).reshape(-1) for i in items])
+    tokens = np.concatenate([np.asarray(t, np.int32) for t in [query, *items]])
     within = np.arange(len(tokens) - shared) - (starts - shared)[owner]
     return Sequence(tokens, np.concatenate([np.arange(shared), shared + within]),
                     np.concatenate([np.zeros(shared, np.int64), starts[owner]]), shared,
