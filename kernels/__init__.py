@@ -1,6 +1,6 @@
 """The forward's kernels, each with a plain-JAX reference of the same signature beside it.
 
-Public: the three kernels and their backends (`select_kernels` picks one implementation of
+Public: the four kernels and their backends (`select_kernels` picks one implementation of
 each), the attention metadata and the block plan the planned kernels walk (built in the
 program: `plan_attention`; from concrete metadata: `build_plan`).
 """
@@ -24,11 +24,14 @@ from kernels.ragged_paged_attention import (
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
 from kernels.rms_norm import rms_norm
+from kernels.rope_kernel import qk_norm_rope, qk_norm_rope_reference, rope_lane_tables
 
 __all__ = [
     "AttentionMetadata", "AttentionPlan", "BlockSizes", "KERNEL_BACKENDS", "KernelSet",
     "TPU_BACKENDS", "build_plan", "default_block_sizes", "final_norm_label_gather",
     "final_norm_label_gather_reference", "final_norm_label_gather_xla", "plan_attention",
-    "ragged_paged_attention", "ragged_paged_attention_reference", "ragged_paged_attention_xla",
-    "rms_norm", "select_kernels", "write_kv_pages", "write_kv_pages_kernel", "written_pages",
+    "qk_norm_rope", "qk_norm_rope_reference", "ragged_paged_attention",
+    "ragged_paged_attention_reference", "ragged_paged_attention_xla", "rms_norm",
+    "rope_lane_tables", "select_kernels", "write_kv_pages", "write_kv_pages_kernel",
+    "written_pages",
 ]

@@ -1,5 +1,6 @@
-"""Which implementation runs each of the forward's three kernels: the KV write, the ragged
-paged attention and the final-norm label gather. One backend picks all three."""
+"""Which implementation runs each of the forward's kernels: the KV write, the ragged paged
+attention, the final-norm label gather and (TPU) q's and k's norm and RoPE. One backend picks
+them all."""
 import functools
 from typing import Callable, NamedTuple
 
@@ -12,6 +13,7 @@ from kernels.label_gather_kernel import final_norm_label_gather
 from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
+from kernels.rope_kernel import qk_norm_rope
 
 KERNEL_BACKENDS = ("reference", "xla", "pallas", "interpret")
 TPU_BACKENDS = ("pallas", "interpret")  # the Pallas kernels, compiled or interpreted
@@ -22,6 +24,8 @@ class KernelSet(NamedTuple):
     attend: Callable  # (q, k_pages, v_pages, layer, metadata) -> [T, Hq, D]
     gather: Callable  # (hidden, norm, head, label_ids, *, eps, with_logsumexp, num_rows,
     #                   num_labels) -> (logits, lse)
+    rope: Callable | None = None  # (q, k, cos, sin, q_norm, k_norm, *, head_dim, eps) -> q, k
+    #                               in the projections' layout; None: the model's XLA ops
 
 
 def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
@@ -45,4 +49,5 @@ def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
     return KernelSet(
         functools.partial(write_kv_pages_kernel, interpret=interpret),
         functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw),
-        functools.partial(final_norm_label_gather, interpret=interpret))
+        functools.partial(final_norm_label_gather, interpret=interpret),
+        functools.partial(qk_norm_rope, interpret=interpret))

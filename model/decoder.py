@@ -17,6 +17,7 @@ from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.rms_norm import rms_norm
+from kernels.rope_kernel import rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
@@ -109,16 +110,27 @@ def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
     return y.astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin, feature_major: bool):
-    """q, k, v token-major [T, heads, D] (this shard's heads), whatever the layout of h."""
+def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin, feature_major: bool,
+         rope: Callable | None):
+    """q, k, v token-major [T, heads, D] (this shard's heads), whatever the layout of h.
+    `rope`: the kernel that norms and rotates q and k in the projections' layout (the tables
+    are then `rope_lane_tables`')."""
     if feature_major:
         return _qkv_feature_major(cfg, lp, dot, h, cos, sin)
     tokens = h.shape[0]
 
     def project(name, bias):
-        return _project(dot, h, name, lp.get(bias)).reshape(tokens, -1, cfg.head_dim)
+        return _project(dot, h, name, lp.get(bias))
 
-    q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
+    def heads(y):
+        return y.reshape(tokens, -1, cfg.head_dim)
+
+    if rope is not None:
+        norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else ()
+        q, k = rope(project("wq", "bq"), project("wk", "bk"), cos, sin, *norms,
+                    head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+        return heads(q), heads(k), heads(project("wv", "bv"))
+    q, k, v = (heads(project(w, b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -192,7 +204,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     dot = _layer_dot(lp, matrices, layer, feature_major)
     with jax.named_scope("qkv"):
         h = _norm(cfg, x, lp["attn_norm"], feature_major)
-        q, k, v = _qkv(cfg, lp, dot, h, cos, sin, feature_major)
+        q, k, v = _qkv(cfg, lp, dot, h, cos, sin, feature_major, kernels.rope)
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
         page_ids, page_tokens = written
@@ -216,7 +228,11 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     x = embed_tokens(params["embed"], batch.tokens, shards)
     matrices = params.get("layer_matrices")
     feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
-    cos, sin = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, feature_major)
+    if feature_major or not rope_kernel_applies(cfg.head_dim, cfg.qk_norm):
+        kernels = kernels._replace(rope=None)
+    tables = rope_lane_tables if kernels.rope else functools.partial(
+        rope_tables, feature_major=feature_major)
+    cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     with jax.named_scope("written_pages"):
         written = written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2])
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,

@@ -222,8 +222,8 @@ def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entri
     return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound["v6e_roofline_s"],
             "flops": bound["flops"], "hbm_bytes": bound["hbm_bytes"],
             "fraction_of_roofline": bound["v6e_roofline_s"] / estimate["v6e_estimate_s"],
-            "block_sizes": estimate["block_sizes"], "levels": estimate["levels"],
-            "kernels": estimate["kernels"]}
+            "shape": estimate["shape"], "block_sizes": estimate["block_sizes"],
+            "levels": estimate["levels"], "kernels": estimate["kernels"]}
 
 
 def timed_rounds(runner, batches: list, matmul, repeats: int) -> list:

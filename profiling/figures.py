@@ -3,8 +3,8 @@
 python -m profiling.figures [--forward forward.json] [--attention attention.json]
     [--label-gather label_gather.json] [--compare cpu.json,gpu.json] [--out-dir docs/figures]
 
-- `v6e_roofline.png`, from profiling.bench_forward, bench_attention and bench_label_gather
-  (each with its v6e estimate): each forward, attention shape and label gather (at its most
+- `v6e_roofline.png`, from profiling.bench_forward (or profiling.v6e.forward_breakdown),
+  bench_attention and bench_label_gather (each with its v6e estimate): each forward, attention shape and label gather (at its most
   rows) at its arithmetic intensity, the FLOP/s its v6e estimate implies, against v6e's
   roofline.
 - `server_vs_hf.png`, from profiling.bench_compare runs (one series a file): the server's
@@ -52,6 +52,9 @@ def roofline_points(forward: dict | None, attention: dict | None,
         if est:
             points.append(dict(label=f"{row['bucket']} tokens", kind="whole forward",
                                flops=est["flops"], bytes=est["hbm_bytes"], s=est["seconds"]))
+    for row in (forward or {}).get("runs", []):  # profiling.v6e.forward_breakdown's
+        points.append(dict(label=f"{row['bucket']} tokens", kind="whole forward",
+                           flops=row["flops"], bytes=row["hbm_bytes"], s=row["seconds"]))
     for name, row in (attention or {}).get("shapes", {}).items():
         if "v6e_estimate_s" in row:
             points.append(dict(label=_shape_name(name), kind="attention kernel",

@@ -39,6 +39,38 @@ def test_model_on_planned_paths_equals_reference_path(model_dirs, engines, famil
         made.close()
 
 
+@pytest.mark.parametrize("family, head_dim", [("qwen3", 128), ("llama", None)])
+def test_the_norm_and_rope_kernel_scores_as_the_reference(tmp_path, monkeypatch, family,
+                                                           head_dim):
+    """With heads the kernel takes (Qwen3's norm on 128 lanes; Llama's 16-wide heads, padded to
+    a lane group), the Pallas kernels in the TPU interpreter score as the dense reference.
+    Activations token-major, as on a TPU (a CPU runner keeps small buckets feature-major)."""
+    from kernels import backends
+    from model import decoder
+    from tests.tiny_models import write_checkpoint
+    monkeypatch.setattr(decoder, "FEATURE_MAJOR_MAX_TOKENS", 0)
+    traced = []
+
+    def counted(*args, **kw):
+        traced.append(kw["head_dim"])
+        return backends_kernel(*args, **kw)
+
+    backends_kernel = backends.qk_norm_rope
+    monkeypatch.setattr(backends, "qk_norm_rope", counted)
+    overrides = {"head_dim": head_dim} if head_dim else {}
+    path = write_checkpoint(str(tmp_path / family), family, seed=5, **overrides)
+    kernel, reference = (Engine.from_path(path, small_config(**kw)) for kw in (
+        dict(kernel_backend="interpret", q_block=8, kv_block=16),
+        dict(kernel_backend="reference")))
+    try:
+        args = ("Answer Yes or No:", [" Paris", " the flag of Tokyo"], [3, 4, 3])
+        assert_scores_close(kernel.score(*args).scores, reference.score(*args).scores)
+    finally:
+        kernel.close()
+        reference.close()
+    assert traced and set(traced) == {head_dim or 16}
+
+
 def test_the_xla_loop_takes_its_block_sizes_by_platform():
     gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
     cpu = jax.devices("cpu")[0]

@@ -472,6 +472,10 @@ def test_figures_draws_the_roofline_and_the_comparison_from_study_outputs(tmp_pa
         ("128 tokens", "whole forward"), ("10 items", "attention kernel"),
         ("4096 causal", "attention kernel"), ("rows, 256 rows", "label gather")]
     assert points[0]["flops"] / points[0]["s"] == 2e14
+    (run,) = figures.roofline_points({"runs": [{"model": "Qwen3-0.6B", "bucket": 2048,
+                                                 "flops": 2e12, "hbm_bytes": 2.5e9,
+                                                 "seconds": 7e-3}]}, None)
+    assert (run["label"], run["kind"], run["s"]) == ("2048 tokens", "whole forward", 7e-3)
     recorded = sorted(glob.glob(str(pathlib.Path(__file__).parent.parent / "docs" / "figures"
                                     / "data" / "compare_*.json")))
     assert len(recorded) == 4

@@ -25,9 +25,9 @@ from runtime.forward_programs import server_programs
 from runtime.pool_size import DeviceMemory, kv_pool_pages
 
 # The label gather's kernels: tiles or streaming (with or without the logsumexp), chosen at
-# run time.
-KERNELS = ["label_gather_rows", "label_gather_streamed", "ragged_paged_attention",
-           "write_kv_pages"]
+# run time; every sized model's heads take the norm and RoPE kernel.
+KERNELS = ["label_gather_rows", "label_gather_streamed", "qk_norm_rope",
+           "ragged_paged_attention", "write_kv_pages"]
 POOL_PAGES = 2048  # 32k tokens, the server's default pool on CPU
 
 

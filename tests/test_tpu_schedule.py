@@ -177,9 +177,18 @@ def test_xla_prices_a_loop_body_once_and_a_pallas_call_by_its_cost_estimate():
         assert costs["optimal_s"] == pytest.approx(xla_priced_s(flops, hbm), rel=1e-3)
 
 
+def test_the_compiling_child_starts_in_the_repository_root():
+    """Builders are named from the repository root (a checkout beside another, say)."""
+    import os
+
+    from profiling.v6e.schedule import _repository_root
+    assert os.path.isfile(os.path.join(_repository_root(), "profiling", "v6e", "schedule.py"))
+
+
 def test_a_programs_layer_loop_runs_its_trips():
     """The whole-program reading: the level holding the loop's dot runs once per layer, so the
     estimate grows by one level per layer (XLA's own stays flat)."""
+    from profiling.v6e.hlo_ops import op_facts
     from profiling.v6e.program_schedule import level_from_json, program_seconds
     results = compile_schedules("profiling.v6e.calibrate:xla_dot_loop",
                                 [dict(m=1024, k=1024, n=1024, layers=n) for n in (3, 6)],
@@ -191,19 +200,23 @@ def test_a_programs_layer_loop_runs_its_trips():
     grown = program_seconds(levels[1], {}) - program_seconds(levels[0], {})
     assert grown == pytest.approx(3 * per_layer, rel=0.01)
     assert results[0]["xla"]["optimal_s"] == results[1]["xla"]["optimal_s"]
+    # what each callee does, from the optimized HLO: the layer's one dot, by its FLOPs
+    facts = op_facts(results[1]["hlo"])
+    assert sorted(facts[name].flops for name in levels[1][1].calls)[-1] == 2 * 1024 ** 3
+    assert sum(facts[name].flops for name in levels[1][1].calls) == 2 * 1024 ** 3
 
 
 def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
     """The embedded model's program for a bucket of SGLang-shaped sequences, as bench_forward
-    estimates it: its layer level runs once per layer and calls the attention and KV-write
-    kernels, priced at the batch's real steps; the estimate is above the roofline of the
-    work."""
+    estimates it: its layer level runs once per layer and calls the attention, KV-write and
+    norm-and-RoPE kernels, priced at the batch's real steps; the estimate is above the
+    roofline of the work."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from model.params import param_shapes
-    from profiling.bench_forward import fill, v6e_estimate
+    from profiling.bench_forward import fill, layer_flops, v6e_estimate
     from profiling.v6e.compile import SIZED_MODELS
     from runtime.batch_builder import ScheduledSeq
     from runtime.buckets import pages_needed
@@ -223,8 +236,17 @@ def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
     assert (outside["trips"], layer["trips"]) == (1, cfg.num_layers)
     kernels = est["kernels"]
     assert layer["kernels_s"] == pytest.approx(kernels["attention"]["v6e_estimate_s"]
-                                               + kernels["kv_write"]["v6e_estimate_s"])
+                                               + kernels["kv_write"]["v6e_estimate_s"]
+                                               + kernels["rope"]["v6e_estimate_s"])
+    assert kernels["rope"]["steps"] >= 1
     assert outside["kernels_s"] == pytest.approx(kernels["gather"]["v6e_estimate_s"])
     assert layer["xla_bundles"] > 0 and layer["xla_hbm_bytes"] > 0
+    # each XLA op of the layer named by its scope, the projections' and MLP's FLOPs in dots
+    scopes = [op["scope"] for op in layer["xla_ops"]]
+    assert any("layer/mlp/dot_general" in s for s in scopes)
+    assert not any("qk_norm_rope" in s for s in scopes)  # priced as a kernel
+    dot_flops = sum(op["flops"] for op in layer["xla_ops"])  # of ops of 500 bundles or more:
+    # at 128 tokens SmolLM2's k and v projections are below, 6% of the layer's FLOPs
+    assert 0.9 < dot_flops / layer_flops(cfg, est["shape"]["tokens"]) <= 1
     mlp_weights = 2 * cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
     assert est["seconds"] > mlp_weights / V6E_HBM_BYTES_PER_S

@@ -5,7 +5,9 @@ same dot, and the DMA side from a copy kernel against the HBM bandwidth.
 python -m profiling.v6e.calibrate [--out calibration.json]
 Per matmul shape: the kernel's grid steps and bundles per step, XLA's estimate for `jnp.dot`
 on the same operands, and the clock that makes the two agree; the clock is their median and
-the calibration error the largest relative miss of the estimate at that clock. Per copy
+the calibration error the largest relative miss of the estimate at that clock. Per XLA dot of
+a Qwen3-0.6B layer's shapes: its bundles read as the forward's estimate reads them, against
+XLA's own estimate and the MXU bound. Per copy
 shape: the estimate at that clock against bytes / 1.64 TB/s. Compiles only: no TPU runs.
 """
 import statistics
@@ -17,6 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from profiling.timing import write_json
+from profiling.v6e.program_schedule import level_from_json
+from profiling.v6e.roofline import V6E_FLOPS
 from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, compile_schedules, estimate_seconds
 from runtime.cli_flags import parse_flags
 
@@ -24,6 +28,9 @@ from runtime.cli_flags import parse_flags
 MATMULS = (((1024, 2048, 1024), (256, 512, 256)), ((2048, 2048, 2048), (512, 512, 512)),
            ((4096, 4096, 4096), (512, 1024, 512)), ((8192, 2048, 4096), (1024, 512, 1024)),
            ((2048, 8192, 2048), (512, 2048, 512)))
+# The projections and MLP of a Qwen3-0.6B layer at 2048 tokens (m, k, n), and a large square.
+MODEL_DOTS = ((2048, 1024, 2048), (2048, 1024, 1024), (2048, 2048, 1024), (2048, 1024, 3072),
+              (2048, 3072, 1024), (2048, 1024, 6144), (4096, 4096, 4096))
 # (rows, cols) float32, and rows per block.
 COPIES = (((8192, 1024), 512), ((32768, 1024), 1024), ((16384, 4096), 256))
 
@@ -105,6 +112,23 @@ def matmul_rows(shapes=MATMULS) -> list[dict]:
     return rows
 
 
+def xla_dot_rows(clock_hz: float, shapes=MODEL_DOTS) -> list[dict]:
+    """XLA's own dots, read as the forward's estimate reads XLA ops (the program's listings,
+    profiling.v6e.program_schedule), against XLA's `optimal_seconds` for them and the MXU's
+    bf16 peak: whether the estimate misprices XLA's ops, or they run below the MXU's rate."""
+    rows = []
+    cases = [dict(m=m, k=k, n=n) for m, k, n in shapes]
+    for case, result in zip(cases, compile_schedules("profiling.v6e.calibrate:xla_dot", cases,
+                                                     program=True)):
+        levels = [level_from_json(x) for x in result["levels"]]
+        bundles = sum(level.trips * level.xla_cost({}).bundles for level in levels)
+        mxu_s = 2 * case["m"] * case["k"] * case["n"] / V6E_FLOPS
+        rows.append({**case, "bundles": bundles, "estimate_s": bundles / clock_hz,
+                     "xla_optimal_s": result["xla"]["optimal_s"], "mxu_bound_s": mxu_s,
+                     "estimate_over_mxu": bundles / clock_hz / mxu_s})
+    return rows
+
+
 def copy_rows(clock_hz: float) -> list[dict]:
     cases = [dict(rows=r, cols=c, block_rows=b) for (r, c), b in COPIES]
     rows = []
@@ -127,7 +151,7 @@ def calibrate() -> dict:
         r["estimate_s"] = r["bundles"] / clock
         r["miss"] = r["estimate_s"] / r["xla_optimal_s"] - 1
     return {"clock_hz": clock, "clock_error": max(abs(r["miss"]) for r in matmuls),
-            "matmuls": matmuls, "copies": copy_rows(clock),
+            "matmuls": matmuls, "xla_dots": xla_dot_rows(clock), "copies": copy_rows(clock),
             "hbm_bytes_per_s": V6E_HBM_BYTES_PER_S,
             "note": "estimates from the compiled schedule; no TPU ran them"}
 
@@ -143,6 +167,10 @@ def main(argv) -> None:
               f"{r['xla_optimal_s'] * 1e6:.1f} us, estimate {r['estimate_s'] * 1e6:.1f} us "
               f"({r['miss']:+.1%}); implied clock {r['implied_clock_hz'] / 1e9:.3f} GHz; "
               f"units {r['step_units']}")
+    for r in result["xla_dots"]:
+        print(f"XLA dot {r['m']}x{r['k']}x{r['n']}: {r['bundles']:.0f} bundles, estimate "
+              f"{r['estimate_s'] * 1e6:.1f} us; XLA's own {r['xla_optimal_s'] * 1e6:.1f} us; MXU "
+              f"bound {r['mxu_bound_s'] * 1e6:.1f} us ({r['estimate_over_mxu']:.2f}x)")
     for r in result["copies"]:
         print(f"copy {r['rows']}x{r['cols']} f32 by {r['block_rows']} rows: {r['steps']} steps "
               f"x {r['step_bundles']} bundles, {r['step_hbm_dma_bytes']} DMA bytes; estimate "

@@ -33,6 +33,14 @@ SIZED_MODELS = {
     "Llama-3.2-1B": ModelConfig("llama", 128256, 2048, 8192, 16, 32, 8, 64, 500000.0, 1e-5,
                                 131072, tie_word_embeddings=True),
 }
+# The larger Qwen3 rerankers' sizes (Qwen3-Reranker-4B and -8B are these models): compiled by
+# the studies only, a program of theirs takes minutes.
+LARGE_MODELS = {
+    "Qwen3-4B": ModelConfig("qwen3", 151936, 2560, 9728, 36, 32, 8, 128, 1e6, 1e-6, 40960,
+                            tie_word_embeddings=True),
+    "Qwen3-8B": ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, 40960),
+}
+STUDY_MODELS = {**SIZED_MODELS, **LARGE_MODELS}
 
 
 def v6e_devices(chips: int = 1) -> list:

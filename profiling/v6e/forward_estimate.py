@@ -17,6 +17,7 @@ from kernels.label_gather_kernel import (
 )
 from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
+from kernels.rope_kernel import lane_group
 from model.config import ModelConfig
 from model.decoder import pool_head_dim
 from profiling.v6e.kernel_estimates import (
@@ -25,10 +26,13 @@ from profiling.v6e.kernel_estimates import (
     kv_write_estimate,
     label_gather_estimate,
     label_run_count,
+    rope_estimate,
 )
+from profiling.v6e.hlo_ops import op_facts
 from profiling.v6e.program_schedule import level_from_json, program_seconds
+from profiling.v6e.roofline import V6E_FLOPS
 from profiling.v6e.compile import v6e_devices
-from profiling.v6e.schedule import compile_schedules
+from profiling.v6e.schedule import V6E_CLOCK_HZ, V6E_HBM_BYTES_PER_S, compile_schedules
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape
 from runtime.engine_config import EngineConfig
@@ -68,23 +72,37 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
                                 result["kernels"], labels, with_lse)
     priced = {"ragged_paged_attention": kernels["attention"]["v6e_estimate_s"],
               "write_kv_pages": kernels["kv_write"]["v6e_estimate_s"],
+              **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
+                 else {}),
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
-    levels = [level_from_json(x) for x in result["levels"]]
+    levels, facts = [level_from_json(x) for x in result["levels"]], op_facts(result["hlo"])
     return {"v6e_estimate_s": program_seconds(levels, priced),
-            "levels": [_level_summary(level, priced) for level in levels],
+            "levels": [_level_summary(level, priced, facts) for level in levels],
             "shape": dataclasses.asdict(shape), "block_sizes": dataclasses.asdict(sizes),
             "page_size": engine_cfg.page_size, "kernels": kernels}
 
 
-def _level_summary(level, priced: dict, top: int = 5) -> dict:
+def _level_summary(level, priced: dict, facts: dict, least_bundles: int = 500) -> dict:
+    """A level's seconds, and each XLA op of at least `least_bundles` bundles a trip (most
+    first): what it does, its bundles and DMA bytes, and its own MXU bound (its FLOPs at the
+    bf16 peak)."""
     xla = level.xla_cost(priced)
-    costliest = sorted(level.xla_calls(priced).items(), key=lambda kv: -kv[1].bundles)[:top]
+    ops = sorted(((name, cost) for name, cost in level.xla_calls(priced).items()
+                  if cost.bundles >= least_bundles), key=lambda kv: -kv[1].bundles)
     return {"trips": level.trips, "seconds_per_trip": level.seconds(priced),
             "xla_bundles": xla.bundles, "xla_hbm_bytes": xla.hbm_bytes,
             "kernels_s": level.kernels_seconds(priced),
             "unknown_loops": level.unknown_loops,
-            "costliest_xla_ops": {name: cost.bundles for name, cost in costliest}}
+            "xla_ops": [_op_row(name, cost, facts.get(name)) for name, cost in ops]}
+
+
+def _op_row(name: str, cost, facts) -> dict:
+    flops = facts.flops if facts else 0.0
+    return {"name": name, "scope": facts.scope if facts else "", "fuses": facts.ops if facts
+            else "", "bundles": cost.bundles, "seconds": cost.bundles / V6E_CLOCK_HZ,
+            "dma_bytes": cost.hbm_bytes, "hbm_bound_s": cost.hbm_bytes / V6E_HBM_BYTES_PER_S,
+            "flops": flops, "mxu_bound_s": flops / V6E_FLOPS}
 
 
 def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_size: int,
@@ -103,7 +121,10 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
                    if mode == "labels_only"
                    else streamed_cost(rows, n_labels, cfg.vocab_size, cfg.hidden_size,
                                       streamed_row_block(rows), 2))
+    rope = ({"rope": _rope_estimate(cfg, shape, schedules["qk_norm_rope"])}
+            if "qk_norm_rope" in schedules else {})  # heads it takes (kernels.rope_kernel)
     return {
+        **rope,
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
                                         attn.bytes_accessed),
         "kv_write": kv_write_estimate(
@@ -113,3 +134,11 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}
+
+
+def _rope_estimate(cfg: ModelConfig, shape: BatchShape, schedule) -> dict:
+    """The norm and RoPE kernel on q and k padded to whole lane groups, as its wrapper pads."""
+    group = lane_group(cfg.head_dim)
+    q_width, k_width = (-(-heads * cfg.head_dim // group) * group
+                        for heads in (cfg.num_heads, cfg.num_kv_heads))
+    return rope_estimate(schedule, shape.tokens, q_width, k_width, 2, group)

@@ -9,6 +9,7 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
+from kernels.rope_kernel import rope_block_tokens
 from profiling.v6e.schedule import KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
@@ -60,6 +61,18 @@ def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab:
 def label_run_count(row_labels: list[list[int]]) -> int:
     """Label runs of a batch's rows: consecutive rows with the same label ids."""
     return 1 + sum(a != b for a, b in zip(row_labels, row_labels[1:]))
+
+
+def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: int,
+                  itemsize: int, group: int) -> dict:
+    """q's and k's norm and RoPE over `tokens`: its grid steps, each reading and writing a
+    block of q and k and reading the block's two float32 tables (the listing's steps are
+    software-pipelined: a program's reading of its loop would count the pipeline's fill)."""
+    block = rope_block_tokens(tokens, q_width * itemsize)
+    step_bytes = block * (2 * (q_width + k_width) * itemsize + 2 * group * 4)
+    return {"steps": tokens // block, "step_bundles": schedule.step_bundles(),
+            "v6e_estimate_s": estimate_seconds(schedule, tokens // block,
+                                               step_bytes=step_bytes)}
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,

@@ -274,7 +274,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
     dumps its schedules, one case after another. Per case: {"kernels": {name:
     KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds,
     "levels": with `program`, the whole program's levels as JSON (profiling.v6e.program_schedule.
-    level_from_json), else None}.
+    level_from_json), else None, "hlo": with `program`, its optimized HLO text}.
     `builder` is "module:function", importable from the repository root."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, LIBTPU_INIT_ARGS=(
@@ -296,7 +296,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
 
 
 def _repository_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def schedule_to_json(s: KernelSchedule) -> dict:

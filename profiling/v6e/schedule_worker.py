@@ -2,7 +2,8 @@
 its schedules, it compiles each case for one v6e chip and writes what the dumps say.
 
 Reads a JSON request on stdin: {"builder": "module:function", "cases": [kwargs, ...],
-"dump_dir": D, "out": F, "program": whether to read the whole program's levels too};
+"dump_dir": D, "out": F, "program": whether to read the whole program's levels and its
+optimized HLO too};
 `builder(**kwargs)` returns (fn, args) for `compile_for_v6e`, or a program lowered for a v6e
 chip (jax.stages.Lowered).
 """
@@ -38,7 +39,8 @@ def main() -> None:
                                     for k in mosaic_kernels(compiled)},
                         "xla": xla_costs(compiled),
                         "levels": [level_to_json(level) for level in program_levels(
-                            read_listings(request["dump_dir"]))] if request["program"] else None})
+                            read_listings(request["dump_dir"]))] if request["program"] else None,
+                        "hlo": compiled.as_text() if request["program"] else None})
     with open(request["out"], "w") as f:
         json.dump(results, f)
 

@@ -1,0 +1,172 @@
+"""q's and k's RMSNorm (Qwen3) and rotary embedding in the projections' layout: the Pallas TPU
+kernel, and its plain-JAX reference.
+
+The projections give q and k as [T, heads x head_dim], the layout the attention kernel reads.
+XLA applied the norm and RoPE on [T, heads, head_dim] with the tables broadcast over heads
+and the rotation as a concatenate, and moved the result back: a third of a Qwen3-0.6B layer's
+estimated v6e time at 2048 tokens (docs/tpu_v6e.md). Here a grid step takes a block of
+tokens of both arrays and treats them `lane_group(head_dim)` lanes at a time (a whole head,
+or two heads of 64): the norm sums a head's lanes, and the rotation is lane rolls of the
+group, weighted by per-token tables that the forward builds once for all layers.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.rms_norm import rms_norm
+from kernels.tpu_tiles import LANES, SUBLANES
+
+_BLOCK_BYTES = 1 << 20  # of q a grid step reads: blocks of both arrays, double-buffered, stay
+#                         well inside the default scoped VMEM
+
+
+def lane_group(head_dim: int) -> int:
+    """Lanes the kernel treats at once: one head of 128 or more, or the heads in 128 lanes."""
+    if not rope_kernel_applies(head_dim, qk_norm=False):
+        raise ValueError(f"head_dim {head_dim} must be even and divide or be a multiple of "
+                         f"{LANES}")
+    return max(head_dim, LANES)
+
+
+def rope_kernel_applies(head_dim: int, qk_norm: bool) -> bool:
+    """Whether the kernel takes these heads: a head a lane group or a whole part of one, and
+    a norm (which sums a head's lanes) only on heads of whole lane tiles."""
+    fits = head_dim % 2 == 0 and (head_dim % LANES == 0 or LANES % head_dim == 0)
+    return fits and (not qk_norm or head_dim % LANES == 0)
+
+
+def rope_lane_tables(positions, head_dim: int, theta: float):
+    """(cos, signed sin), float32 [T, lane_group(head_dim)], each head's pattern repeated: a
+    lane in a head's first half takes minus the sine (times the lane half a head above it),
+    one in its second half plus the sine (times the lane half a head below)."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)
+    sin = jnp.concatenate([-jnp.sin(freqs), jnp.sin(freqs)], axis=-1)
+    repeats = lane_group(head_dim) // head_dim
+    return jnp.tile(cos, (1, repeats)), jnp.tile(sin, (1, repeats))
+
+
+def _rotated(x, head_dim: int):
+    """Each lane's partner half a head away, within its head (x [rows, group])."""
+    group, half = x.shape[-1], head_dim // 2
+    if group == head_dim:
+        return pltpu.roll(x, half, 1)
+    first_half = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, x.shape, 1), head_dim) < half
+    return jnp.where(first_half, pltpu.roll(x, group - half, 1), pltpu.roll(x, half, 1))
+
+
+def _normed(x, weight, eps: float):
+    """RMSNorm over the lanes (one head) as `kernels.rms_norm`: statistics in float32, the
+    product in the weight's dtype."""
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (weight * x.astype(weight.dtype)).astype(jnp.float32)
+
+
+def _kernel(*refs, head_dim: int, eps: float, norm: bool):
+    if norm:
+        q_ref, k_ref, cos_ref, sin_ref, q_w, k_w, q_out, k_out = refs
+    else:
+        (q_ref, k_ref, cos_ref, sin_ref, q_out, k_out), q_w, k_w = refs, None, None
+    cos, sin = cos_ref[...], sin_ref[...]
+    group = cos.shape[-1]
+    for x_ref, w_ref, out in ((q_ref, q_w, q_out), (k_ref, k_w, k_out)):
+        for g in range(x_ref.shape[-1] // group):
+            lanes = pl.ds(g * group, group)
+            x = x_ref[:, lanes].astype(jnp.float32)
+            if norm:
+                x = _normed(x, w_ref[...], eps)
+            out[:, lanes] = (x * cos + _rotated(x, head_dim) * sin).astype(out.dtype)
+
+
+def rope_block_tokens(tokens: int, row_bytes: int) -> int:
+    """The most tokens a step, a power of two dividing `tokens`, whose q block fits (all of
+    them where no multiple of a tile's rows divides them)."""
+    block = tokens & -tokens
+    if block < SUBLANES:
+        return tokens
+    while block > SUBLANES and block * row_bytes > _BLOCK_BYTES:
+        block //= 2
+    return block
+
+
+def check_rope_shapes(q, k, cos, sin, head_dim: int) -> None:
+    group = lane_group(head_dim)
+    t = q.shape[0]
+    if (q.ndim != 2 or k.ndim != 2 or k.shape[0] != t or q.shape[1] % head_dim
+            or k.shape[1] % head_dim or cos.shape != (t, group) or sin.shape != (t, group)):
+        raise ValueError(f"expected q [T, Hq x {head_dim}], k [T, Hkv x {head_dim}] and "
+                         f"tables [T, {group}], got q {q.shape}, k {k.shape}, cos {cos.shape},"
+                         f" sin {sin.shape}")
+
+
+def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None, *, head_dim: int, eps: float,
+                 block_tokens: int | None = None, interpret=False):
+    """q [T, Hq x D] and k [T, Hkv x D], each head RMS-normed over D with its weight [D] (where
+    given: both or neither) and rotated by the tables of `rope_lane_tables`; same shapes and
+    dtypes out. `block_tokens`: tokens a grid step (default: as many as fit)."""
+    check_rope_shapes(q, k, cos, sin, head_dim)
+    norms = _checked_norms(q_norm, k_norm, head_dim)
+    widths, group = (q.shape[1], k.shape[1]), cos.shape[1]
+    q, k = (_whole_groups(x, group) for x in (q, k))
+    tokens = q.shape[0]
+    block = block_tokens or rope_block_tokens(tokens, q.shape[1] * q.dtype.itemsize)
+    if tokens % block or (block % SUBLANES and block != tokens):
+        raise ValueError(f"block_tokens {block} must divide the {tokens} tokens and be a "
+                         f"multiple of {SUBLANES}")
+
+    def rows(width):
+        return pl.BlockSpec((block, width), lambda i: (i, 0))
+
+    weight = pl.BlockSpec((1, head_dim), lambda i: (0, 0))
+    q, k = pl.pallas_call(
+        functools.partial(_kernel, head_dim=head_dim, eps=eps, norm=bool(norms)),
+        name="qk_norm_rope", grid=(tokens // block,),
+        in_specs=[rows(q.shape[1]), rows(k.shape[1]), rows(group), rows(group)]
+        + [weight] * len(norms),
+        out_specs=[rows(q.shape[1]), rows(k.shape[1])],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(q, k, cos, sin, *norms)
+    return q[:, :widths[0]], k[:, :widths[1]]
+
+
+def _checked_norms(q_norm, k_norm, head_dim: int) -> tuple:
+    """The norm weights as the kernel takes them, [1, D] each, or () for none."""
+    if q_norm is None and k_norm is None:
+        return ()
+    if (q_norm is None or k_norm is None or head_dim % LANES
+            or q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):
+        raise ValueError(f"norm weights q {getattr(q_norm, 'shape', None)}, k "
+                         f"{getattr(k_norm, 'shape', None)}: both [head_dim], and head_dim "
+                         f"({head_dim}) a multiple of {LANES}")
+    return q_norm.reshape(1, head_dim), k_norm.reshape(1, head_dim)
+
+
+def _whole_groups(x, group: int):
+    """x with zero lanes up to a whole number of lane groups (a single head of 64, say)."""
+    return jnp.pad(x, ((0, 0), (0, -x.shape[1] % group))) if x.shape[1] % group else x
+
+
+def qk_norm_rope_reference(q, k, cos, sin, q_norm=None, k_norm=None, *, head_dim: int,
+                           eps: float, block_tokens: int | None = None, interpret=False):
+    """Plain JAX, the same contract: the model's RMSNorm and rotate-half RoPE on [T, H, D]."""
+    del block_tokens, interpret
+    check_rope_shapes(q, k, cos, sin, head_dim)
+    half = head_dim // 2
+    cos_d = cos[:, None, :head_dim]
+    sin_d = jnp.concatenate([-sin[:, None, :half], sin[:, None, half:head_dim]], axis=-1)
+
+    def one(x, weight):
+        dtype, x = x.dtype, x.reshape(x.shape[0], -1, head_dim)
+        if weight is not None:
+            x = rms_norm(x, weight, eps)
+        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        out = x.astype(jnp.float32) * cos_d + rotated.astype(jnp.float32) * sin_d
+        return out.astype(dtype).reshape(x.shape[0], -1)
+
+    return one(q, q_norm), one(k, k_norm)

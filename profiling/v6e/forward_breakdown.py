@@ -1,0 +1,80 @@
+"""Where a sized model's forward spends its v6e time, op by op (an estimate from the compiled
+schedule: a model, no TPU ran it).
+
+python -m profiling.v6e.forward_breakdown [--models Qwen3-0.6B,Llama-3.2-1B]
+    [--buckets 512,2048] [--out breakdown.json]
+
+Per model and bucket: the server's program for a batch of SGLang's shape (120-token queries,
+items of 18 tokens, 2 labels, the bucket filled; profiling.bench_forward's `fill`) in bfloat16
+on one v6e chip, its estimate against the roofline of its work, and per level of the program
+(outside the layer loop, one layer) each kernel at its estimate and each XLA op of 500
+bundles or more: the named scope it came from, what it fuses, its bundles and time at the
+clock, and its own MXU bound (its dots' FLOPs at 918 TFLOP/s) and HBM bound (its DMA bytes at
+1.64 TB/s). An op whose bundles are far above both bounds is issue-bound: the schedule, not
+the MXU or HBM, sets its time.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from model.params import param_shapes
+from profiling.bench_forward import LABELS, fill, paged, v6e_estimate
+from profiling.bench_host_work import bucket_config
+from profiling.timing import write_json
+from profiling.v6e.compile import STUDY_MODELS
+from runtime.cli_flags import parse_flags
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("models", ["Qwen3-0.6B"], f"of {sorted(STUDY_MODELS)}")
+    flags.DEFINE_list("buckets", ["512", "2048"], "forward sizes in tokens")
+    flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def breakdown(model: str, bucket: int) -> dict:
+    cfg, engine_cfg = STUDY_MODELS[model], bucket_config(bucket, "bfloat16")
+    rng = np.random.default_rng(0)
+    seqs = fill(bucket, engine_cfg.max_seqs, engine_cfg.max_rows, cfg.vocab_size, rng)
+    labels = [rng.integers(0, cfg.vocab_size, LABELS).tolist()] * sum(
+        len(s.score_rows) for s in seqs)
+    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    estimate = v6e_estimate(cfg, engine_cfg, params, paged(seqs, engine_cfg.page_size), labels,
+                            with_lse=True)
+    return {"model": model, "bucket": bucket, "config": dataclasses.asdict(cfg), **estimate}
+
+
+def _print(r: dict) -> None:
+    print(f"{r['model']} at {r['bucket']} tokens: {r['seconds'] * 1e3:.3f} ms (estimate), "
+          f"roofline {r['roofline_s'] * 1e3:.3f} ms ({r['fraction_of_roofline']:.0%})")
+    kernels = "; ".join(f"{name} {k['v6e_estimate_s'] * 1e6:.1f} us"
+                        for name, k in r["kernels"].items())
+    print(f"  kernels a call: {kernels}")
+    for level in r["levels"]:
+        print(f"  x{level['trips']:.0f}: {level['seconds_per_trip'] * 1e6:.1f} us a trip, "
+              f"kernels {level['kernels_s'] * 1e6:.1f} us, XLA ops "
+              f"{level['xla_bundles']:.0f} bundles")
+        print("    bundles |     us | MXU us | HBM us | scope: fuses")
+        for op in level["xla_ops"]:
+            print(f"    {op['bundles']:7.0f} | {op['seconds'] * 1e6:6.1f} | "
+                  f"{op['mxu_bound_s'] * 1e6:6.1f} | {op['hbm_bound_s'] * 1e6:6.1f} | "
+                  f"{op['scope'] or op['name']}: {op['fuses']}")
+
+
+def main(argv) -> None:
+    del argv
+    rows = [breakdown(model, int(bucket)) for model in FLAGS.models for bucket in FLAGS.buckets]
+    for r in rows:
+        _print(r)
+    write_json({"note": "v6e estimates from the compiled schedule; no TPU ran them",
+                "runs": rows}, FLAGS.out)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
