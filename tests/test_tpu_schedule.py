@@ -54,6 +54,15 @@ def test_a_listing_reads_as_prologue_step_and_epilogue():
     assert estimate_seconds(s, 10, clock, slow_hbm) == pytest.approx(10 * 28 / clock + 3 / clock)
 
 
+def test_a_programs_listing_names_the_fusions_it_calls_either_way():
+    """Small programs inline a fusion's call, larger ones call its address (Qwen3-4B's layer
+    loop did: read as calling nothing, the loop was taken for a copy and dropped)."""
+    listing = """   0x1   :  { %3 = inlined_call %s1_s0 /* %fusion.185 = fusion(%p.1) */ }
+   0x2   :  { %3582 = call %s11556_s0, %s11557_s1 /* %gather_fusion.19 = fusion(%g.354) */ }
+"""
+    assert [b.calls for b in parse_bundles(listing)] == [("fusion.185",), ("gather_fusion.19",)]
+
+
 def test_compiled_kernels_dma_the_bytes_of_their_blocks():
     """A Pallas matmul and copy through the real compiler: a step's DMAs move exactly its
     blocks, the MXU work of a step grows with its K block, and a copy is DMA-bound."""

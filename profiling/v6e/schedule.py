@@ -43,7 +43,8 @@ _OPCODE = re.compile(r"^\s*(?:%[\w.]+\s*=\s*)?([a-z_][\w.]*)")
 _BRANCH = re.compile(r"sbr\.rel \((!?)%(\w+)\) target = \$region(\d+)")
 _REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)")
 _GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
-_CALL = re.compile(r"inlined_call [^/]*/\* %([\w.-]+) = ")
+# A program's listing calls a fusion inlined, or (in larger programs) as a call of its address
+_CALL = re.compile(r"(?:inlined_call|= call) [^/]*/\* %([\w.-]+) = ")
 _COMPARE = re.compile(r"%(\w+) = scmp\.(\w+)\.s32\.totalorder %\w+, (\d+)\b")
 
 UNITS = ("mxu", "vpu", "eup", "xlu", "vector_load", "vector_store", "dma", "scalar")
