@@ -76,11 +76,21 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
                  else {}),
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
-    levels, facts = [level_from_json(x) for x in result["levels"]], op_facts(result["hlo"])
+    levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
     return {"v6e_estimate_s": program_seconds(levels, priced),
             "levels": [_level_summary(level, priced, facts) for level in levels],
             "shape": dataclasses.asdict(shape), "block_sizes": dataclasses.asdict(sizes),
             "page_size": engine_cfg.page_size, "kernels": kernels}
+
+
+def _levels(result: dict, num_layers: int) -> list:
+    """The program's levels, one of them the layer loop's (else the listing was misread)."""
+    levels = [level_from_json(x) for x in result["levels"]]
+    if not any(level.trips == num_layers for level in levels):
+        raise ValueError(f"no level of the program's listing runs {num_layers} times (the "
+                         f"layer loop), trips {[level.trips for level in levels]}: the listing "
+                         "was not read as it was written")
+    return levels
 
 
 def _level_summary(level, priced: dict, facts: dict, least_bundles: int = 500) -> dict:
