@@ -215,30 +215,18 @@ def test_a_programs_layer_loop_runs_its_trips():
     assert sum(facts[name].flops for name in levels[1][1].calls) == 2 * 1024 ** 3
 
 
-def test_the_forwards_estimate_prices_every_layer_and_its_kernels():
-    """The embedded model's program for a bucket of SGLang-shaped sequences, as bench_forward
-    estimates it: its layer level runs once per layer and calls the attention, KV-write and
-    norm-and-RoPE kernels, priced at the batch's real steps; the estimate is above the
-    roofline of the work."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from model.params import param_shapes
-    from profiling.bench_forward import fill, layer_flops, v6e_estimate
+def test_the_forwards_estimate_prices_every_layer_and_its_kernels(capsys):
+    """The embedded model's program for a bucket of SGLang-shaped sequences, as
+    forward_breakdown estimates and prints it: its layer level runs once per layer and calls
+    the attention, KV-write and norm-and-RoPE kernels, priced at the batch's real steps; the
+    estimate is above the roofline of the work."""
+    from profiling.bench_forward import layer_flops
     from profiling.v6e.compile import SIZED_MODELS
-    from runtime.batch_builder import ScheduledSeq
-    from runtime.buckets import pages_needed
-    from runtime.engine_config import EngineConfig
+    from profiling.v6e.forward_breakdown import breakdown, print_breakdown
     cfg = SIZED_MODELS["SmolLM2-135M"]
-    params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
-                          param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    seqs = fill(128, 64, 256, cfg.vocab_size, np.random.default_rng(0))
-    entries = [ScheduledSeq(seq, list(range(64 * i, 64 * i + pages_needed(len(seq.tokens), 16))))
-               for i, seq in enumerate(seqs)]
-    labels = [[1, 2]] * sum(len(seq.score_rows) for seq in seqs)
-    est = v6e_estimate(cfg, EngineConfig(max_prefill_tokens=2048), params, entries, labels,
-                       with_lse=True)
+    est = breakdown("SmolLM2-135M", 128)
+    print_breakdown(est)
+    assert "layer/mlp/dot_general" in capsys.readouterr().out
     assert 0 < est["roofline_s"] < est["seconds"]
     assert est["fraction_of_roofline"] == pytest.approx(est["roofline_s"] / est["seconds"])
     outside, layer = est["levels"]

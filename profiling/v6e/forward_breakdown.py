@@ -49,7 +49,7 @@ def breakdown(model: str, bucket: int) -> dict:
     return {"model": model, "bucket": bucket, "config": dataclasses.asdict(cfg), **estimate}
 
 
-def _print(r: dict) -> None:
+def print_breakdown(r: dict) -> None:
     print(f"{r['model']} at {r['bucket']} tokens: {r['seconds'] * 1e3:.3f} ms (estimate), "
           f"roofline {r['roofline_s'] * 1e3:.3f} ms ({r['fraction_of_roofline']:.0%})")
     kernels = "; ".join(f"{name} {k['v6e_estimate_s'] * 1e6:.1f} us"
@@ -70,7 +70,7 @@ def main(argv) -> None:
     del argv
     rows = [breakdown(model, int(bucket)) for model in FLAGS.models for bucket in FLAGS.buckets]
     for r in rows:
-        _print(r)
+        print_breakdown(r)
     write_json({"note": "v6e estimates from the compiled schedule; no TPU ran them",
                 "runs": rows}, FLAGS.out)
 
