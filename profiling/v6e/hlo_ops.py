@@ -19,8 +19,8 @@ _OPCODE = re.compile(r"^(?:\([^=]*?\)|\S+)\s+([\w-]+)\(")
 _SHAPE = re.compile(r"\b(?:pred|[subf]\d+|bf16)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?(%[\w.-]+(?:, "
                     r"%[\w.-]+)*)\}?")
-_SCOPE_NOISE = re.compile(r"jit\([^)]*\)/|while/body/|closed_call/|cond/branch_\d+_fun/|"
-                          r"body/|jit\(\w+\)/")
+_SCOPE_NOISE = re.compile(r"jit\([^)]*\)/|while/body/|closed_call/|cond/branch_\d+_fun/|body/")
+_PLUMBING = ("parameter", "constant", "bitcast", "tuple", "get-tuple-element")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,8 @@ def _product(xs) -> int:
 
 
 def _parse(hlo_text: str):
-    """Instructions by name (their text after `=`), the computation each belongs to, and each
-    computation's instruction names."""
+    """Instructions by name (their text after `=`), and each computation's instruction
+    names."""
     bodies, lines, computation = collections.defaultdict(list), {}, None
     for line in hlo_text.splitlines():
         if (m := _COMPUTATION.match(line)) and "=" not in line.split("{")[0].split("(")[0]:
@@ -91,15 +91,15 @@ def op_facts(hlo_text: str) -> dict[str, OpFacts]:
         text = lines[name]
         return _dot_flops(text, lines) + sum(computation_flops(c) for c in called(text))
 
+    def fused(text: str) -> str:
+        inside = collections.Counter(_opcode(lines[n]) for c in called(text)
+                                     for n in bodies.get(c, ()) if _opcode(lines[n])
+                                     not in _PLUMBING)
+        return " ".join(f"{op}x{n}" if n > 1 else op for op, n in inside.most_common(4))
+
     out = {}
     for name, text in lines.items():
         scope = re.search(r'op_name="([^"]*)"', text)
-        inside = collections.Counter(_opcode(lines[n]) for c in called(text)
-                                     for n in bodies.get(c, ()))
-        for boring in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
-            inside.pop(boring, None)
         out[name] = OpFacts(_SCOPE_NOISE.sub("", scope.group(1)) if scope else "",
-                            " ".join(f"{op}x{n}" if n > 1 else op
-                                     for op, n in inside.most_common(4)) or _opcode(text),
-                            flops(name))
+                            fused(text) or _opcode(text), flops(name))
     return out
