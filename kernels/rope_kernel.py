@@ -38,12 +38,17 @@ def rope_kernel_applies(head_dim: int, qk_norm: bool) -> bool:
     return fits and (not qk_norm or head_dim % LANES == 0)
 
 
+def rope_angles(positions, head_dim: int, theta: float):
+    """Each position's angle for each pair of a head's lanes, float32 [T, D/2]."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    return positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+
+
 def rope_lane_tables(positions, head_dim: int, theta: float):
     """(cos, signed sin), float32 [T, lane_group(head_dim)], each head's pattern repeated: a
     lane in a head's first half takes minus the sine (times the lane half a head above it),
     one in its second half plus the sine (times the lane half a head below)."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    freqs = rope_angles(positions, head_dim, theta)
     cos = jnp.concatenate([jnp.cos(freqs)] * 2, axis=-1)
     sin = jnp.concatenate([-jnp.sin(freqs), jnp.sin(freqs)], axis=-1)
     repeats = lane_group(head_dim) // head_dim
@@ -111,7 +116,7 @@ def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None, *, head_dim: int, eps
     check_rope_shapes(q, k, cos, sin, head_dim)
     norms = _checked_norms(q_norm, k_norm, head_dim)
     widths, group = (q.shape[1], k.shape[1]), cos.shape[1]
-    q, k = (_whole_groups(x, group) for x in (q, k))
+    q, k = (_whole_groups(x, head_dim) for x in (q, k))
     tokens = q.shape[0]
     block = block_tokens or rope_block_tokens(tokens, q.shape[1] * q.dtype.itemsize)
     if tokens % block or (block % SUBLANES and block != tokens):
@@ -139,7 +144,7 @@ def _checked_norms(q_norm, k_norm, head_dim: int) -> tuple:
     """The norm weights as the kernel takes them, [1, D] each, or () for none."""
     if q_norm is None and k_norm is None:
         return ()
-    if (q_norm is None or k_norm is None or head_dim % LANES
+    if (q_norm is None or k_norm is None or not rope_kernel_applies(head_dim, qk_norm=True)
             or q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):
         raise ValueError(f"norm weights q {getattr(q_norm, 'shape', None)}, k "
                          f"{getattr(k_norm, 'shape', None)}: both [head_dim], and head_dim "
@@ -147,9 +152,17 @@ def _checked_norms(q_norm, k_norm, head_dim: int) -> tuple:
     return q_norm.reshape(1, head_dim), k_norm.reshape(1, head_dim)
 
 
-def _whole_groups(x, group: int):
-    """x with zero lanes up to a whole number of lane groups (a single head of 64, say)."""
-    return jnp.pad(x, ((0, 0), (0, -x.shape[1] % group))) if x.shape[1] % group else x
+def padded_width(width: int, head_dim: int) -> int:
+    """The lanes of q or k as the kernel takes them: whole lane groups (a single head of 64
+    takes 128, say)."""
+    group = lane_group(head_dim)
+    return -(-width // group) * group
+
+
+def _whole_groups(x, head_dim: int):
+    """x with zero lanes up to `padded_width`."""
+    pad = padded_width(x.shape[1], head_dim) - x.shape[1]
+    return jnp.pad(x, ((0, 0), (0, pad))) if pad else x
 
 
 def qk_norm_rope_reference(q, k, cos, sin, q_norm=None, k_norm=None, *, head_dim: int,

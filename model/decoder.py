@@ -17,7 +17,7 @@ from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.rms_norm import rms_norm
-from kernels.rope_kernel import rope_kernel_applies, rope_lane_tables
+from kernels.rope_kernel import rope_angles, rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
@@ -30,8 +30,7 @@ FEATURE_MAJOR_MAX_TOKENS = 512
 def rope_tables(positions, head_dim: int, theta: float, feature_major: bool = False):
     """cos and sin of each position's angles, laid out for `apply_rope`: [T, 1, D], or
     feature-major [2, D/2, T] with the sin's first half negated."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    freqs = rope_angles(positions, head_dim, theta)
     if feature_major:
         cos, sin = jnp.cos(freqs.T), jnp.sin(freqs.T)
         return jnp.stack([cos, cos]), jnp.stack([-sin, sin])

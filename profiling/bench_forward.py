@@ -93,6 +93,15 @@ def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
     return seqs
 
 
+def filled_batch(engine_cfg: EngineConfig, vocab: int, rng) -> tuple[list, list]:
+    """`fill`'s sequences for one forward of `engine_cfg`'s budget, on pages (`paged`), and
+    their rows' labels (LABELS of them, the same for every row)."""
+    seqs = fill(engine_cfg.max_prefill_tokens, engine_cfg.max_seqs, engine_cfg.max_rows, vocab,
+                rng)
+    labels = [rng.integers(0, vocab, LABELS).tolist()] * sum(len(s.score_rows) for s in seqs)
+    return paged(seqs, engine_cfg.page_size), labels
+
+
 def paged(seqs: list, page_size: int) -> list[ScheduledSeq]:
     """`seqs` scheduled on consecutive pages of a pool, nothing cached."""
     entries, next_page = [], 0

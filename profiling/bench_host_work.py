@@ -25,7 +25,7 @@ import tempfile
 import numpy as np
 from absl import app, flags, logging
 
-from profiling.bench_forward import fill, paged
+from profiling.bench_forward import LABELS, fill, filled_batch
 from profiling.bench_serving import TINY, tiny_checkpoint
 from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
@@ -34,7 +34,6 @@ from runtime.engine_config import EngineConfig
 from runtime.request import ScoreRequest
 
 FLAGS = flags.FLAGS
-LABELS = 2
 
 
 def define_flags() -> None:
@@ -91,10 +90,7 @@ def v6e_estimate_s(bucket: int, rng) -> float:
     from profiling.v6e.forward_estimate import forward_estimate
     from profiling.v6e.compile import SIZED_MODELS
     cfg, ec = SIZED_MODELS["Qwen3-0.6B"], bucket_config(bucket, "bfloat16")
-    seqs = fill(bucket, ec.max_seqs, ec.max_rows, cfg.vocab_size, rng)
-    labels = [rng.integers(0, cfg.vocab_size, LABELS).tolist()] * sum(
-        len(s.score_rows) for s in seqs)
-    return forward_estimate(cfg, ec, paged(seqs, ec.page_size), labels,
+    return forward_estimate(cfg, ec, *filled_batch(ec, cfg.vocab_size, rng),
                             with_lse=True)["v6e_estimate_s"]
 
 

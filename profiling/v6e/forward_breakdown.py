@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from model.params import param_shapes
-from profiling.bench_forward import LABELS, fill, paged, v6e_estimate
+from profiling.bench_forward import filled_batch, v6e_estimate
 from profiling.bench_host_work import bucket_config
 from profiling.timing import write_json
 from profiling.v6e.compile import STUDY_MODELS
@@ -38,14 +38,10 @@ def define_flags() -> None:
 
 def breakdown(model: str, bucket: int) -> dict:
     cfg, engine_cfg = STUDY_MODELS[model], bucket_config(bucket, "bfloat16")
-    rng = np.random.default_rng(0)
-    seqs = fill(bucket, engine_cfg.max_seqs, engine_cfg.max_rows, cfg.vocab_size, rng)
-    labels = [rng.integers(0, cfg.vocab_size, LABELS).tolist()] * sum(
-        len(s.score_rows) for s in seqs)
+    entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0))
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    estimate = v6e_estimate(cfg, engine_cfg, params, paged(seqs, engine_cfg.page_size), labels,
-                            with_lse=True)
+    estimate = v6e_estimate(cfg, engine_cfg, params, entries, labels, with_lse=True)
     return {"model": model, "bucket": bucket, "config": dataclasses.asdict(cfg), **estimate}
 
 

@@ -17,7 +17,7 @@ from kernels.label_gather_kernel import (
 )
 from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
-from kernels.rope_kernel import lane_group
+from kernels.rope_kernel import lane_group, padded_width
 from model.config import ModelConfig
 from model.decoder import pool_head_dim
 from profiling.v6e.kernel_estimates import (
@@ -148,7 +148,6 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
 
 def _rope_estimate(cfg: ModelConfig, shape: BatchShape, schedule) -> dict:
     """The norm and RoPE kernel on q and k padded to whole lane groups, as its wrapper pads."""
-    group = lane_group(cfg.head_dim)
-    q_width, k_width = (-(-heads * cfg.head_dim // group) * group
+    q_width, k_width = (padded_width(heads * cfg.head_dim, cfg.head_dim)
                         for heads in (cfg.num_heads, cfg.num_kv_heads))
-    return rope_estimate(schedule, shape.tokens, q_width, k_width, 2, group)
+    return rope_estimate(schedule, shape.tokens, q_width, k_width, 2, lane_group(cfg.head_dim))
