@@ -1,6 +1,6 @@
 """Which implementation runs each of the forward's kernels: the KV write, the ragged paged
-attention, the final-norm label gather and (TPU) q's and k's norm and RoPE. One backend picks
-them all."""
+attention, the final-norm label gather and (TPU) the projections and q's and k's norm and
+RoPE. One backend picks them all."""
 import functools
 from typing import Callable, NamedTuple
 
@@ -10,6 +10,7 @@ from kernels.attention_plan import BlockSizes
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
+from kernels.projection_kernel import gated_up, project
 from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from kernels.ragged_paged_attention_xla import ragged_paged_attention_xla
@@ -26,6 +27,10 @@ class KernelSet(NamedTuple):
     #                   num_labels) -> (logits, lse)
     rope: Callable | None = None  # (q, k, cos, sin, q_norm, k_norm, *, head_dim, eps) -> q, k
     #                               in the projections' layout; None: the model's XLA ops
+    project: Callable | None = None  # (x, weights, biases, *, out_dtype, name) -> x @ each
+    #                                  weight (+ its bias); None: the model's XLA dots
+    gated_up: Callable | None = None  # (x, w_gate, w_up, *, name) -> SiLU(x @ w_gate) *
+    #                                   (x @ w_up); None: the model's XLA ops
 
 
 def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
@@ -50,4 +55,6 @@ def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
         functools.partial(write_kv_pages_kernel, interpret=interpret),
         functools.partial(ragged_paged_attention, sizes=sizes, interpret=interpret, **kw),
         functools.partial(final_norm_label_gather, interpret=interpret),
-        functools.partial(qk_norm_rope, interpret=interpret))
+        functools.partial(qk_norm_rope, interpret=interpret),
+        functools.partial(project, interpret=interpret),
+        functools.partial(gated_up, interpret=interpret))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
+from kernels.projection_kernel import projection_kernel_applies, silu
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import rope_angles, rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
@@ -25,6 +26,7 @@ from model.params import head_weight
 from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
 FEATURE_MAJOR_MAX_TOKENS = 512
+PROJECTION_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def rope_tables(positions, head_dim: int, theta: float, feature_major: bool = False):
@@ -109,31 +111,63 @@ def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
     return y.astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin, feature_major: bool,
-         rope: Callable | None):
-    """q, k, v token-major [T, heads, D] (this shard's heads), whatever the layout of h.
-    `rope`: the kernel that norms and rotates q and k in the projections' layout (the tables
-    are then `rope_lane_tables`')."""
-    if feature_major:
-        return _qkv_feature_major(cfg, lp, dot, h, cos, sin)
-    tokens = h.shape[0]
+Project = Callable  # (x, pairs, call, shards=None) -> x @ each (weight, bias) pair's weight
+#                      (+ its bias, where the model has it) in x's dtype; with `shards` the
+#                      weights are split by rows and the partial sums all-reduced. `call`
+#                      names a kernel call (one for all the pairs).
 
-    def project(name, bias):
-        return _project(dot, h, name, lp.get(bias))
 
-    def heads(y):
-        return y.reshape(tokens, -1, cfg.head_dim)
+def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
+                       feature_major: bool) -> Project:
+    """On the projection kernel where the backend has one (reading `layer`'s weights from
+    the `stacked` weights), else XLA's dots, one a pair."""
+    if kernels.project is not None:
+        return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
+    def xla(x, pairs, call, shards=None):
+        del call
+        return tuple(_project(dot, x, w, lp.get(b), shards, feature_major) for w, b in pairs)
+    return xla
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """(in, out, weights of that shape) of each projection kernel call of a layer, by its
+    name, unsharded."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    hidden, inner = cfg.hidden_size, cfg.intermediate_size
+    return {"project_q": (hidden, q, 1), "project_kv": (hidden, kv, 2),
+            "project_out": (q, hidden, 1), "gate_up": (hidden, inner, 2),
+            "project_down": (inner, hidden, 1)}
+
+
+def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
+                        shards=None):
+    """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)."""
+    weights = tuple(stacked[w] for w, _ in pairs)
+    biases = tuple(lp[b] for _, b in pairs if b in lp)
+    if shards is None or not shards.sharded:
+        return kernel(x, weights, biases, layer=layer, name=call)
+    sums = (all_reduce(y, shards)
+            for y in kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call))
+    return tuple((y + lp[b].astype(jnp.float32) if b in lp else y).astype(x.dtype)
+                 for y, (_, b) in zip(sums, pairs))
+
+
+def _qkv(cfg: ModelConfig, project: Project, lp: dict, h, cos, sin, rope: Callable | None):
+    """q, k, v token-major [T, heads, D] (this shard's heads). `rope`: the kernel that norms
+    and rotates q and k in the projections' layout (the tables are then `rope_lane_tables`')."""
+    (q,) = project(h, (("wq", "bq"),), "project_q")
+    k, v = project(h, (("wk", "bk"), ("wv", "bv")), "project_kv")
     if rope is not None:
         norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else ()
-        q, k = rope(project("wq", "bq"), project("wk", "bk"), cos, sin, *norms,
-                    head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-        return heads(q), heads(k), heads(project("wv", "bv"))
-    q, k, v = (heads(project(w, b)) for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = rope(q, k, cos, sin, *norms, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+    q, k, v = (y.reshape(h.shape[0], -1, cfg.head_dim) for y in (q, k, v))
+    if rope is None:
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v
 
 
 def _qkv_feature_major(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
@@ -169,17 +203,14 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
     return y if cos is None else apply_rope(y, cos, sin, feature_major=True)
 
 
-def _mlp(dot: Dot, h, shards: ShardPlan, feature_major: bool):
-    gate = _project(dot, h, "w_gate")
-    up = _project(dot, h, "w_up")
-    return _project(dot, _silu(gate.astype(jnp.float32)).astype(up.dtype) * up, "w_down",
-                    shards=shards, feature_major=feature_major)
-
-
-def _silu(x):
-    """x * sigmoid(x) as x / (1 + exp(-x)): XLA CPU's logistic takes twice as long
-    (docs/performance_cpu.md, "Forward per bucket")."""
-    return x / (1 + jnp.exp(-x))
+def _mlp(project: Project, gated_up: Callable | None, h, shards: ShardPlan):
+    """`gated_up`: h -> SiLU(h @ w_gate) * (h @ w_up) in one kernel; None: XLA's ops."""
+    if gated_up is None:
+        gate, up = project(h, (("w_gate", None), ("w_up", None)), "gate_up")
+        h = silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+    else:
+        h = gated_up(h)
+    return project(h, (("w_down", None),), "project_down", shards)[0]
 
 
 def _pad_head_dim(x, width: int):
@@ -197,13 +228,16 @@ def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
 
 
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch,
-           written: tuple, cos, sin, matrices: tuple | None, feature_major: bool, carry, xs):
+           written: tuple, cos, sin, matrices: tuple | None, stacked: dict,
+           feature_major: bool, carry, xs):
     x, cache = carry
     lp, layer = xs
     dot = _layer_dot(lp, matrices, layer, feature_major)
+    project = _layer_projections(kernels, lp, stacked, layer, dot, feature_major)
     with jax.named_scope("qkv"):
         h = _norm(cfg, x, lp["attn_norm"], feature_major)
-        q, k, v = _qkv(cfg, lp, dot, h, cos, sin, feature_major, kernels.rope)
+        q, k, v = (_qkv_feature_major(cfg, lp, dot, h, cos, sin) if feature_major
+                   else _qkv(cfg, project, lp, h, cos, sin, kernels.rope))
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
         page_ids, page_tokens = written
@@ -213,10 +247,13 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
         attn = attn.reshape(attn.shape[0], -1)
     with jax.named_scope("out_proj"):
-        x = x + _project(dot, attn.T if feature_major else attn, "wo", lp.get("bo"), shards,
-                         feature_major)
+        x = x + project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
+                        shards)[0]
     with jax.named_scope("mlp"):
-        x = x + _mlp(dot, _norm(cfg, x, lp["mlp_norm"], feature_major), shards, feature_major)
+        gated_up = kernels.gated_up and functools.partial(
+            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
+            name="gate_up")
+        x = x + _mlp(project, gated_up, _norm(cfg, x, lp["mlp_norm"], feature_major), shards)
     return (x, KVCache(k_pages, v_pages)), None
 
 
@@ -229,17 +266,24 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
     if feature_major or not rope_kernel_applies(cfg.head_dim, cfg.qk_norm):
         kernels = kernels._replace(rope=None)
+    layer_params, stacked = params["layers"], {}
+    if matrices is not None or not projection_kernel_applies(  # this shard's weights
+            x.shape[0], (layer_params[w].shape for w in PROJECTION_WEIGHTS)):
+        kernels = kernels._replace(project=None, gated_up=None)
+    if kernels.project is not None:  # the kernels read them at the layer, where they lie
+        stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
+        layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     with jax.named_scope("written_pages"):
         written = written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2])
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
-                                                      written, cos, sin, matrices,
+                                                      written, cos, sin, matrices, stacked,
                                                       feature_major))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry = (x.T if feature_major else x, cache)
-    (x, cache), _ = jax.lax.scan(body, carry, (params["layers"], layers))
+    (x, cache), _ = jax.lax.scan(body, carry, (layer_params, layers))
     return (x.T if feature_major else x), cache
 
 

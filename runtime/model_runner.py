@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from kernels.attention_plan import BlockSizes
+from kernels.backends import TPU_BACKENDS
 from model.batch import ForwardBatch, KVCache, pack
 from model.config import ModelConfig
 from model.decoder import empty_cache
@@ -39,8 +40,8 @@ class ModelRunner:
         devices = list(devices or jax.devices()[:1])
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
-        if devices[0].platform == "cpu":
-            params = per_layer_matrices(params)
+        if devices[0].platform == "cpu" and backend not in TPU_BACKENDS:
+            params = per_layer_matrices(params)  # the TPU kernels take the stacked weights
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
         self._new_cache = self._cache_maker()
         self.cache = self._new_cache()

@@ -39,26 +39,35 @@ def test_model_on_planned_paths_equals_reference_path(model_dirs, engines, famil
         made.close()
 
 
-@pytest.mark.parametrize("family, head_dim", [("qwen3", 128), ("llama", None)])
-def test_the_norm_and_rope_kernel_scores_as_the_reference(tmp_path, monkeypatch, family,
-                                                           head_dim):
-    """With heads the kernel takes (Qwen3's norm on 128 lanes; Llama's 16-wide heads, padded to
-    a lane group), the Pallas kernels in the TPU interpreter score as the dense reference.
-    Activations token-major, as on a TPU (a CPU runner keeps small buckets feature-major)."""
-    from kernels import backends
+@pytest.mark.parametrize("family, overrides, head_dim", [
+    ("qwen3", dict(head_dim=128), 128), ("llama", dict(num_key_value_heads=4), 32),
+    ("qwen2", dict(num_key_value_heads=4), 32)])
+def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, monkeypatch,
+                                                                     family, overrides,
+                                                                     head_dim):
+    """With heads the norm and RoPE kernel takes (Qwen3's norm on 128 lanes; Llama's and
+    Qwen2's heads of 32, four to a lane group) and weights of whole lane tiles, every
+    projection on its kernel (the weights read from the stacks at the layer; Qwen2's q, k and
+    v biases): the Pallas kernels in the TPU interpreter score as the dense reference."""
+    from kernels import backends, projection_kernel
     from model import decoder
     from tests.tiny_models import write_checkpoint
-    monkeypatch.setattr(decoder, "FEATURE_MAJOR_MAX_TOKENS", 0)
-    traced = []
+    monkeypatch.setattr(projection_kernel, "MIN_TOKENS", 0)  # the tests' batches are small
+    traced, projected = [], []
 
-    def counted(*args, **kw):
-        traced.append(kw["head_dim"])
-        return backends_kernel(*args, **kw)
+    def counting(kernel, seen, key):
+        def counted(*args, **kw):
+            seen.append(kw[key])
+            return kernel(*args, **kw)
+        return counted
 
-    backends_kernel = backends.qk_norm_rope
-    monkeypatch.setattr(backends, "qk_norm_rope", counted)
-    overrides = {"head_dim": head_dim} if head_dim else {}
-    path = write_checkpoint(str(tmp_path / family), family, seed=5, **overrides)
+    monkeypatch.setattr(backends, "qk_norm_rope", counting(backends.qk_norm_rope, traced,
+                                                           "head_dim"))
+    for name in ("project", "gated_up"):
+        monkeypatch.setattr(backends, name, counting(getattr(backends, name), projected,
+                                                     "name"))
+    path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
+                            intermediate_size=256, **overrides)
     kernel, reference = (Engine.from_path(path, small_config(**kw)) for kw in (
         dict(kernel_backend="interpret", q_block=8, kv_block=16),
         dict(kernel_backend="reference")))
@@ -68,7 +77,8 @@ def test_the_norm_and_rope_kernel_scores_as_the_reference(tmp_path, monkeypatch,
     finally:
         kernel.close()
         reference.close()
-    assert traced and set(traced) == {head_dim or 16}
+    assert traced and set(traced) == {head_dim}
+    assert set(projected) == set(decoder.projection_shapes(kernel.runner.cfg))
 
 
 def test_the_xla_loop_takes_its_block_sizes_by_platform():
@@ -146,9 +156,9 @@ def test_the_mlps_silu_is_jaxs_to_float32_rounding_over_the_whole_range():
     """model.decoder writes silu with exp; at large negative inputs exp(-x) overflows to inf
     and the quotient must still be (minus) zero, never NaN."""
 
-    from model.decoder import _silu
+    from kernels.projection_kernel import silu
     x = jnp.concatenate([jnp.linspace(-120.0, 120.0, 100_001),
                          jnp.array([-3e38, -1e4, -88.7, -0.0, 0.0, 1e-30, 1e4, 3e38])])
-    got, want = np.asarray(_silu(x)), np.asarray(jax.nn.silu(x))
+    got, want = np.asarray(silu(x)), np.asarray(jax.nn.silu(x))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)

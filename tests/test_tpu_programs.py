@@ -28,6 +28,10 @@ from runtime.pool_size import DeviceMemory, kv_pool_pages
 # run time; every sized model's heads take the norm and RoPE kernel.
 KERNELS = ["label_gather_rows", "label_gather_streamed", "qk_norm_rope",
            "ragged_paged_attention", "write_kv_pages"]
+# From 512 tokens, where a shard's weights are whole lane tiles (kernels.projection_kernel):
+# every projection of a layer, on its kernel.
+WITH_PROJECTIONS = sorted(KERNELS + ["gate_up", "project_down", "project_kv", "project_out",
+                                     "project_q"])
 POOL_PAGES = 2048  # 32k tokens, the server's default pool on CPU
 
 
@@ -60,25 +64,27 @@ def test_server_programs_of_the_embedded_model_compile_for_v6e(embedded_config):
     assert [s.tokens for s in shapes] == [16, 96, 256, 320, 512]
     programs.warm_up(threads=2, shapes=shapes)
     assert programs.compile_count == len(shapes)
-    for shape in shapes:
+    for shape in shapes:  # its hidden size, 576, is not whole lane tiles
         compiled = programs.get(shape)
         assert mosaic_kernels(compiled) == KERNELS, shape
         assert_in_place(programs, compiled)
 
 
-# TP 1 of Qwen3-0.6B: its largest program, in the test after this one.
-TENSOR_PARALLEL = [("SmolLM2-135M", 3), ("Qwen3-0.6B", 4), ("Qwen2.5-0.5B", 1),
-                   ("Qwen2.5-0.5B", 2), ("Llama-3.2-1B", 4)]  # Qwen2.5's 14 heads: no TP 4
+# TP 1 of Qwen3-0.6B: its largest program, in the test after this one. Whether a shard's
+# projections take their kernel: Qwen2.5-0.5B's q is 448 wide a shard at TP 2.
+TENSOR_PARALLEL = [("SmolLM2-135M", 3, KERNELS), ("Qwen3-0.6B", 4, WITH_PROJECTIONS),
+                   ("Qwen2.5-0.5B", 1, WITH_PROJECTIONS), ("Qwen2.5-0.5B", 2, KERNELS),
+                   ("Llama-3.2-1B", 4, WITH_PROJECTIONS)]  # Qwen2.5's 14 heads: no TP 4
 
 
-@pytest.mark.parametrize("model, tp", TENSOR_PARALLEL)
-def test_sized_model_programs_compile_for_v6e(model, tp):
+@pytest.mark.parametrize("model, tp, kernels", TENSOR_PARALLEL)
+def test_sized_model_programs_compile_for_v6e(model, tp, kernels):
     """One 512-token bucket, on one chip or split over a 2x2 slice."""
     cfg = SIZED_MODELS[model]
     programs = server_programs(EngineConfig(dtype="bfloat16", tp_size=tp), cfg,
                                v6e_devices(1 if tp == 1 else 4)[:tp], POOL_PAGES)
     compiled = programs.get(programs.buckets.shape(512))
-    assert mosaic_kernels(compiled) == KERNELS
+    assert mosaic_kernels(compiled) == kernels
     assert_in_place(programs, compiled)
     assert ("all-reduce" in compiled.as_text()) == (tp > 1)
     if tp > 1:  # each chip holds its own KV heads only
@@ -97,7 +103,7 @@ def test_default_pool_fits_a_32_gib_v6e():
     programs = programs_with(pages)
     assert programs.pool_bytes > 0.6 * V6E_HBM_BYTES  # most of the chip goes to the pool
     compiled = programs.get(programs.buckets.all_shapes()[-1])
-    assert mosaic_kernels(compiled) == KERNELS
+    assert mosaic_kernels(compiled) == WITH_PROJECTIONS
     assert_in_place(programs, compiled)
     assert hbm_bytes(compiled)["total"] <= engine_cfg.mem_fraction * V6E_HBM_BYTES
 

@@ -19,13 +19,14 @@ from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import lane_group, padded_width
 from model.config import ModelConfig
-from model.decoder import pool_head_dim
+from model.decoder import pool_head_dim, projection_shapes
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
     attention_estimate,
     kv_write_estimate,
     label_gather_estimate,
     label_run_count,
+    projection_estimate,
     rope_estimate,
 )
 from profiling.v6e.hlo_ops import op_facts
@@ -74,6 +75,8 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
               "write_kv_pages": kernels["kv_write"]["v6e_estimate_s"],
               **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
                  else {}),
+              **{name: kernels[name]["v6e_estimate_s"] for name in projection_shapes(cfg)
+                 if name in kernels},
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
     levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
@@ -133,8 +136,12 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
                                       streamed_row_block(rows), 2))
     rope = ({"rope": _rope_estimate(cfg, shape, schedules["qk_norm_rope"])}
             if "qk_norm_rope" in schedules else {})  # heads it takes (kernels.rope_kernel)
+    projections = {name: projection_estimate(schedules[name], shape.tokens, depth, width,
+                                             weights, 1 if name == "gate_up" else weights, 2)
+                   for name, (depth, width, weights) in projection_shapes(cfg).items()
+                   if name in schedules}  # weights it takes (kernels.projection_kernel)
     return {
-        **rope,
+        **rope, **projections,
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
                                         attn.bytes_accessed),
         "kv_write": kv_write_estimate(

@@ -9,6 +9,7 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
+from kernels.projection_kernel import projection_blocks, projection_bytes
 from kernels.rope_kernel import rope_block_tokens
 from profiling.v6e.schedule import KernelSchedule, estimate_seconds
 
@@ -73,6 +74,20 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
     return {"steps": tokens // block, "step_bundles": schedule.step_bundles(),
             "v6e_estimate_s": estimate_seconds(schedule, tokens // block,
                                                step_bytes=step_bytes)}
+
+
+def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
+                        weights: int, outputs: int, itemsize: int) -> dict:
+    """A projection kernel (kernels.projection_kernel) over `tokens`: its grid steps, each at
+    the larger of its bundles and its share of the bytes the kernel moves (the listing holds
+    every block's DMA in every step, where the pipeline skips a block that did not change)."""
+    blocks = projection_blocks(tokens, depth, width, weights, itemsize)
+    steps = blocks.steps(tokens, width)
+    moved = projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
+                             blocks)
+    return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
+            "step_bundles": schedule.step_bundles(),
+            "v6e_estimate_s": estimate_seconds(schedule, steps, step_bytes=moved / steps)}
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,

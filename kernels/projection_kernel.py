@@ -1,0 +1,268 @@
+"""A layer's projections as Pallas TPU matmuls, and their plain-JAX references: x [T, in]
+times one or more weights [in, out] of one shape (k and v; the MLP's gate and up), each
+product finished in VMEM (a bias, or the gate's SiLU times up) and written once, in x's
+dtype or float32.
+
+In the compiled v6e schedule XLA's dots at a layer's shapes run at 1.8-2.2x the MXU's bound
+(hidden 1024, 2048 tokens; docs/tpu_v6e.md). Here a grid step takes a block of tokens and a
+block of output features over the whole contraction, so no partial sum goes back and forth
+between steps: 1.09-1.17x in the same schedule. The blocks keep either the tokens or the
+weights whole in VMEM where they fit (`projection_blocks`), so each is read from HBM once,
+and the weights are read from the layer loop's stacks where they lie.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.tpu_tiles import LANES, SUBLANES
+
+_TOKENS_WHOLE_BYTES = 8 << 20  # x kept whole in VMEM: read once, the weights streamed
+_TOKEN_BLOCK_BYTES = 16 << 20  # else, with the weights streamed too, a step's block of x
+_WEIGHTS_WHOLE_BYTES = 16 << 20  # else the weights kept whole: read once, the tokens streamed
+_BLOCK_WEIGHT_BYTES = 4 << 20  # a step's weight blocks when the weights stream
+_PRODUCT_BYTES = 16 << 20  # a step's float32 products
+_MAX_ROWS = 512  # tokens a step when the tokens stream: the MXU's rate holds from 256
+_MIN_COLUMN_STEPS = 4  # when the weights stream, so that their DMAs overlap the MXU's work
+_MIN_COLUMNS = 256  # the MXU's width: narrower blocks run it at half rate
+_VMEM_LIMIT_BYTES = 64 << 20  # the blocks above double-buffered, with the products
+MIN_TOKENS = 512  # projection_kernel_applies
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionBlocks:
+    rows: int     # tokens a grid step
+    columns: int  # output features a grid step, of each weight
+
+    def steps(self, tokens: int, width: int) -> int:
+        return (tokens // self.rows) * (width // self.columns)
+
+
+def projection_blocks(tokens: int, depth: int, width: int, weights: int,
+                      itemsize: int) -> ProjectionBlocks:
+    """Blocks of x [tokens, depth] and of `weights` weights [depth, width]: the tokens whole
+    where they fit (x read once, each weight block once, in at least four blocks where the
+    width allows); else the weights whole where they fit (read once, the tokens streamed);
+    else both in blocks, the tokens' as large as fit (the weights read once per block of
+    tokens)."""
+    def columns(rows: int, most: int) -> int:
+        return _columns(width, lambda c: c <= most
+                        and weights * depth * c * itemsize <= _BLOCK_WEIGHT_BYTES
+                        and rows * c * weights * 4 <= _PRODUCT_BYTES)
+    if tokens * depth * itemsize <= _TOKENS_WHOLE_BYTES:
+        return ProjectionBlocks(tokens, columns(tokens, max(width // _MIN_COLUMN_STEPS,
+                                                            _MIN_COLUMNS)))
+    if weights * depth * width * itemsize <= _WEIGHTS_WHOLE_BYTES:
+        return ProjectionBlocks(_rows(tokens, lambda r: r <= _MAX_ROWS
+                                      and r * width * weights * 4 <= _PRODUCT_BYTES), width)
+    rows = _rows(tokens, lambda r: r * depth * itemsize <= _TOKEN_BLOCK_BYTES)
+    return ProjectionBlocks(rows, columns(rows, width))
+
+
+def _rows(tokens: int, fits) -> int:
+    """The largest power of two dividing `tokens` that `fits` (at least a bfloat16 tile's
+    rows), or all of them where no such power divides them."""
+    rows = tokens & -tokens
+    if rows < 2 * SUBLANES:
+        return tokens
+    while rows > 2 * SUBLANES and not fits(rows):
+        rows //= 2
+    return rows
+
+
+def _columns(width: int, fits) -> int:
+    """The widest whole number of lane tiles dividing `width` that `fits` (at least one)."""
+    if width % LANES:
+        return width
+    tiles = width // LANES
+    return LANES * max(t for t in range(1, tiles + 1) if tiles % t == 0
+                       and (t == 1 or fits(t * LANES)))
+
+
+def projection_kernel_applies(tokens: int, shapes) -> bool:
+    """Whether the kernel takes `tokens` times weights of these [in, out] shapes: weights of
+    whole lane tiles both ways (XLA tiles other widths' stacks in a layout the kernel's
+    operands do not take, and copies them to it every forward), and enough tokens that the
+    MXU rather than reading the weights bounds the products (v6e's ridge is 560 FLOPs a
+    byte, a token's product 1 FLOP a weight byte): below, XLA's dots hide under the weights'
+    DMA with the layer's other ops, and a kernel would add its own (docs/tpu_v6e.md)."""
+    return tokens >= MIN_TOKENS and all(d % LANES == 0 for shape in shapes
+                                         for d in shape[-2:])
+
+
+def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs: int,
+                     itemsize: int, out_itemsize: int, blocks: ProjectionBlocks) -> int:
+    """HBM bytes the kernel moves: x once (its block changes only with the token block), the
+    weights once if whole, else once per token block, and each of `outputs` once."""
+    weight_reads = 1 if blocks.columns == width else tokens // blocks.rows
+    return ((tokens * depth + weight_reads * weights * depth * width) * itemsize
+            + outputs * tokens * width * out_itemsize)
+
+
+def silu(x):
+    """x * sigmoid(x) as x / (1 + exp(-x)), the model's: XLA CPU's logistic takes twice as
+    long (docs/performance_cpu.md, "Forward per bucket")."""
+    return x / (1 + jnp.exp(-x))
+
+
+def _finish_gated(products, out_dtype):
+    """SiLU(gate) times up, each rounded to `out_dtype` first, as the model's XLA ops do."""
+    gate, up = (p.astype(out_dtype) for p in products)
+    return (silu(gate.astype(jnp.float32)).astype(out_dtype) * up,)
+
+
+def _finish_each(products, biases, out_dtype):
+    return tuple((p if b is None else p + b.astype(jnp.float32)).astype(out_dtype)
+                 for p, b in zip(products, biases))
+
+
+def _step(*refs, weights: int, biased: bool, gated: bool):
+    """One block of tokens times one block of each weight's columns, finished."""
+    x_ref, w_refs = refs[0], refs[1:1 + weights]
+    b_refs = refs[1 + weights:1 + 2 * weights] if biased else (None,) * weights
+    out_refs = refs[1 + weights + (weights if biased else 0):]
+    x = x_ref[...]
+    products = [jnp.dot(x, w[...], preferred_element_type=jnp.float32) for w in w_refs]
+    dtype = out_refs[0].dtype
+    outs = (_finish_gated(products, dtype) if gated
+            else _finish_each(products, [None if b is None else b[...] for b in b_refs], dtype))
+    for out, y in zip(out_refs, outs):
+        out[...] = y
+
+
+def _kernel(layer_ref, x_ref, *refs, weights: int, biased: bool, gated: bool):
+    """The weights are read where they lie in the stack (XLA's slice of a layer out of a
+    stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
+    step before computes, or once where one block holds them all."""
+    w_hbm, rest = refs[:weights], refs[weights:]
+    w_vmem, copied = rest[-2:]
+    step_refs = rest[:-2]
+    slots, columns = w_vmem.shape[0], w_vmem.shape[-1]
+    j, blocks = pl.program_id(1), pl.num_programs(1)
+    step = pl.program_id(0) * blocks + j
+
+    def copies(block, slot):
+        return [pltpu.make_async_copy(w.at[layer_ref[0], :, pl.ds(block * columns, columns)],
+                                      w_vmem.at[slot, k], copied.at[slot, k])
+                for k, w in enumerate(w_hbm)]
+
+    def wait(block, slot):
+        for c in copies(block, slot):
+            c.wait()
+
+    @pl.when(step == 0)
+    def _():
+        for c in copies(0, 0):
+            c.start()
+    slot = step % slots
+    if slots == 1:
+        pl.when(step == 0)(lambda: wait(0, 0))
+    else:
+        @pl.when(step + 1 < pl.num_programs(0) * blocks)
+        def _():
+            for c in copies((j + 1) % blocks, 1 - slot):
+                c.start()
+        wait(j, slot)
+    _step(x_ref, *(w_vmem.at[slot, k] for k in range(weights)), *step_refs,
+          weights=weights, biased=biased, gated=gated)
+
+
+def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
+    shape = weights[0].shape if weights else None
+    if (x.ndim != 2 or not weights or any(w.shape != shape for w in weights)
+            or len(shape) != (2 if layer is None else 3) or shape[-2] != x.shape[1]
+            or (biases and (len(biases) != len(weights)
+                            or any(b.shape != (shape[-1],) for b in biases)))):
+        raise ValueError(f"expected x [T, in], weights of one shape [in, out] ([layers, in, "
+                         f"out] with a layer) and a bias [out] for each or none, got x "
+                         f"{x.shape}, weights {[w.shape for w in weights]}, biases "
+                         f"{[b.shape for b in biases]}, layer {layer}")
+
+
+def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
+          blocks: ProjectionBlocks | None, interpret):
+    check_projection_shapes(x, weights, biases, layer)
+    if layer is None:
+        weights, layer = tuple(w[None] for w in weights), 0
+    (tokens, depth), width = x.shape, weights[0].shape[-1]
+    blocks = blocks or projection_blocks(tokens, depth, width, len(weights), x.dtype.itemsize)
+    if tokens % blocks.rows or width % blocks.columns:
+        raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
+                         "columns")
+    outputs = 1 if gated else len(weights)
+    slots = 1 if blocks.columns == width else 2
+    return pl.pallas_call(
+        functools.partial(_kernel, weights=len(weights), biased=bool(biases), gated=gated),
+        name=name,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(tokens // blocks.rows, width // blocks.columns),
+            in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, at: (i, 0))]
+            + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(weights)
+            + [pl.BlockSpec((1, blocks.columns), lambda i, j, at: (0, j))] * len(biases),
+            out_specs=[pl.BlockSpec((blocks.rows, blocks.columns),
+                                    lambda i, j, at: (i, j))] * outputs,
+            scratch_shapes=[pltpu.VMEM((slots, len(weights), depth, blocks.columns),
+                                       weights[0].dtype),
+                            pltpu.SemaphoreType.DMA((slots, len(weights)))]),
+        out_shape=[jax.ShapeDtypeStruct((tokens, width), out_dtype)] * outputs,
+        # sequential: a step copies in the next step's weights
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=_VMEM_LIMIT_BYTES),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * tokens * depth * width * len(weights),
+            transcendentals=tokens * width if gated else 0,
+            bytes_accessed=projection_bytes(tokens, depth, width, len(weights), outputs,
+                                            x.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
+                                            blocks)),
+        interpret=interpret,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *weights,
+      *(b.reshape(1, -1) for b in biases))
+
+
+def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
+            name: str = "project", blocks: ProjectionBlocks | None = None,
+            interpret=False) -> tuple:
+    """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
+    `out_dtype` (default x's). With `layer` (an int32 scalar), the weights are a stack
+    [layers, in, out] read at that layer. `name`: the kernel's, one per call site (a study
+    prices each)."""
+    return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
+                       out_dtype=out_dtype or x.dtype, name=name, blocks=blocks,
+                       interpret=interpret))
+
+
+def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
+             blocks: ProjectionBlocks | None = None, interpret=False):
+    """SiLU(x @ w_gate) * (x @ w_up), in x's dtype: the MLP's input to its down projection.
+    `layer` as in `project`."""
+    (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
+                   blocks=blocks, interpret=interpret)
+    return out
+
+
+def _at_layer(weights: tuple, layer) -> tuple:
+    return weights if layer is None else tuple(w[layer] for w in weights)
+
+
+def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
+                      name: str = "project", blocks=None, interpret=False) -> tuple:
+    """Plain JAX, the same contract: the model's XLA dots."""
+    del name, blocks, interpret
+    check_projection_shapes(x, tuple(weights), tuple(biases), layer)
+    products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
+                for w in _at_layer(tuple(weights), layer)]
+    return _finish_each(products, list(biases) or [None] * len(products),
+                        out_dtype or x.dtype)
+
+
+def gated_up_reference(x, w_gate, w_up, *, layer=None, name: str = "gate_up", blocks=None,
+                       interpret=False):
+    """Plain JAX, the same contract."""
+    del name, blocks, interpret
+    check_projection_shapes(x, (w_gate, w_up), (), layer)
+    products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
+                for w in _at_layer((w_gate, w_up), layer)]
+    return _finish_gated(products, x.dtype)[0]
