@@ -45,9 +45,9 @@ def projection_blocks(tokens: int, depth: int, width: int, weights: int,
                       itemsize: int) -> ProjectionBlocks:
     """Blocks of x [tokens, depth] and of `weights` weights [depth, width]: the tokens whole
     where they fit (x read once, each weight block once, in at least four blocks of at least
-    the MXU's 256 columns where the width allows); else the weights whole where they fit (read once, the tokens streamed);
-    else both in blocks, the tokens' as large as fit (the weights read once per block of
-    tokens)."""
+    the MXU's 256 columns where the width allows); else the weights whole where they fit
+    (read once, the tokens streamed); else both in blocks, the tokens' as large as fit (the
+    weights read once per block of tokens)."""
     def columns(rows: int, most: int) -> int:
         return _columns(width, lambda c: c <= most
                         and weights * depth * c * itemsize <= _BLOCK_WEIGHT_BYTES
