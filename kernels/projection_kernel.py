@@ -40,6 +40,10 @@ class ProjectionBlocks:
     def steps(self, tokens: int, width: int) -> int:
         return (tokens // self.rows) * (width // self.columns)
 
+    def all_columns(self, width: int) -> bool:
+        """Whether a step holds all of the weights' columns: they are read in once."""
+        return self.columns == width
+
 
 def projection_blocks(tokens: int, depth: int, width: int, weights: int,
                       itemsize: int) -> ProjectionBlocks:
@@ -97,7 +101,7 @@ def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs:
                      itemsize: int, out_itemsize: int, blocks: ProjectionBlocks) -> int:
     """HBM bytes the kernel moves: x once (its block changes only with the token block), the
     weights once if whole, else once per token block, and each of `outputs` once."""
-    weight_reads = 1 if blocks.columns == width else tokens // blocks.rows
+    weight_reads = 1 if blocks.all_columns(width) else tokens // blocks.rows
     return ((tokens * depth + weight_reads * weights * depth * width) * itemsize
             + outputs * tokens * width * out_itemsize)
 
@@ -193,7 +197,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
     outputs = 1 if gated else len(weights)
-    slots = 1 if blocks.columns == width else 2
+    slots = 1 if blocks.all_columns(width) else 2
     return pl.pallas_call(
         functools.partial(_kernel, weights=len(weights), biased=bool(biases), gated=gated),
         name=name,

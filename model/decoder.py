@@ -130,14 +130,14 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
     return xla
 
 
-def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """(in, out, weights of that shape) of each projection kernel call of a layer, by its
-    name, unsharded."""
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
+    """(in, out, weights of that shape, outputs) of each projection kernel call of a layer,
+    by its name, unsharded: gate and up give one output, their SiLU product."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     hidden, inner = cfg.hidden_size, cfg.intermediate_size
-    return {"project_q": (hidden, q, 1), "project_kv": (hidden, kv, 2),
-            "project_out": (q, hidden, 1), "gate_up": (hidden, inner, 2),
-            "project_down": (inner, hidden, 1)}
+    return {"project_q": (hidden, q, 1, 1), "project_kv": (hidden, kv, 2, 2),
+            "project_out": (q, hidden, 1, 1), "gate_up": (hidden, inner, 2, 1),
+            "project_down": (inner, hidden, 1, 1)}
 
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,

@@ -124,7 +124,7 @@ def test_bad_shapes_are_refused():
 def test_which_weights_and_buckets_the_kernel_takes():
     from kernels.projection_kernel import MIN_TOKENS, projection_kernel_applies
     qwen3 = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"]).values()
-    shapes = [(depth, width) for depth, width, _ in qwen3]
+    shapes = [(depth, width) for depth, width, _, _ in qwen3]
     assert projection_kernel_applies(MIN_TOKENS, shapes)
     assert not projection_kernel_applies(MIN_TOKENS // 2, shapes)  # bound by the weights' DMA
     assert not projection_kernel_applies(2048, shapes + [(896, 448)])  # half a lane tile
@@ -142,11 +142,10 @@ def test_blocks_fit_vmem_and_read_each_operand_once_where_it_fits(model):
     the weights (or, where they do not fit, the tokens) are read from HBM once."""
     from kernels import projection_kernel as pk
     for tokens in _buckets():
-        for name, (depth, width, weights) in decoder.projection_shapes(
+        for name, (depth, width, weights, outputs) in decoder.projection_shapes(
                 STUDY_MODELS[model]).items():
             blocks = projection_blocks(tokens, depth, width, weights, 2)
             assert tokens % blocks.rows == 0 and width % blocks.columns == 0
-            outputs = 1 if name == "gate_up" else weights
             step = (blocks.rows * depth + weights * depth * blocks.columns
                     + outputs * blocks.rows * blocks.columns) * 2
             products = 4 * weights * blocks.rows * blocks.columns
@@ -167,12 +166,12 @@ def test_a_layers_projections_compile_for_v6e(model):
 
     def layer(*args):
         args, outs = iter(args), []
-        for name, (_, _, n) in shapes.items():
+        for name, (_, _, n, _) in shapes.items():
             x, weights = next(args), [next(args) for _ in range(n)]
             outs += ([gated_up(x, *weights, name=name)] if name == "gate_up"
                      else list(project(x, weights, name=name)))
         return outs
-    args = [a for depth, width, n in shapes.values()
+    args = [a for depth, width, n, _ in shapes.values()
             for a in [sds((tokens, depth), jnp.bfloat16)] + [sds((depth, width), jnp.bfloat16)] * n]
     compiled = compile_for_v6e(layer, *args)
     assert sorted(mosaic_kernels(compiled)) == sorted(shapes)
@@ -180,7 +179,7 @@ def test_a_layers_projections_compile_for_v6e(model):
 
 def q_projection(tokens: int):
     """Qwen3-0.6B's q projection over `tokens`, for compile_schedules."""
-    depth, width, _ = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"])["project_q"]
+    depth, width, _, _ = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"])["project_q"]
     return (functools.partial(project, name="project_q"),
             (jax.ShapeDtypeStruct((tokens, depth), jnp.bfloat16),
              (jax.ShapeDtypeStruct((depth, width), jnp.bfloat16),)))
@@ -193,7 +192,7 @@ def test_the_estimate_prices_a_projection_at_its_steps_within_its_bounds():
     from profiling.v6e.kernel_estimates import projection_estimate
     from profiling.v6e.roofline import V6E_FLOPS
     from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, compile_schedules
-    depth, width, _ = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"])["project_q"]
+    depth, width, _, _ = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"])["project_q"]
     for tokens, result in zip((512, 2048), compile_schedules(
             "tests.test_projection_kernel:q_projection", [dict(tokens=512), dict(tokens=2048)])):
         est = projection_estimate(result["kernels"]["project_q"], tokens, depth, width, 1, 1, 2)

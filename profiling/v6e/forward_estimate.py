@@ -136,9 +136,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
                                       streamed_row_block(rows), 2))
     rope = ({"rope": _rope_estimate(cfg, shape, schedules["qk_norm_rope"])}
             if "qk_norm_rope" in schedules else {})  # heads it takes (kernels.rope_kernel)
-    projections = {name: projection_estimate(schedules[name], shape.tokens, depth, width,
-                                             weights, 1 if name == "gate_up" else weights, 2)
-                   for name, (depth, width, weights) in projection_shapes(cfg).items()
+    projections = {name: projection_estimate(schedules[name], shape.tokens, *dims, 2)
+                   for name, dims in projection_shapes(cfg).items()
                    if name in schedules}  # weights it takes (kernels.projection_kernel)
     return {
         **rope, **projections,
