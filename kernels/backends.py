@@ -27,8 +27,9 @@ class KernelSet(NamedTuple):
     #                   num_labels) -> (logits, lse)
     rope: Callable | None = None  # (q, k, cos, sin, q_norm, k_norm, *, head_dim, eps) -> q, k
     #                               in the projections' layout; None: the model's XLA ops
-    project: Callable | None = None  # (x, weights, biases, *, out_dtype, name) -> x @ each
-    #                                  weight (+ its bias); None: the model's XLA dots
+    project: Callable | None = None  # (x, weights, biases, *, out_dtype, rope, name) -> x @
+    #                                  each weight (+ its bias), the first normed and rotated
+    #                                  with `rope`; None: the model's XLA dots
     gated_up: Callable | None = None  # (x, w_gate, w_up, *, name) -> SiLU(x @ w_gate) *
     #                                   (x @ w_up); None: the model's XLA ops
 

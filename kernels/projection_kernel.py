@@ -1,7 +1,7 @@
 """A layer's projections as Pallas TPU matmuls, and their plain-JAX references: x [T, in]
 times one or more weights [in, out] of one shape (k and v; the MLP's gate and up), each
-product finished in VMEM (a bias, or the gate's SiLU times up) and written once, in x's
-dtype or float32.
+product finished in VMEM (a bias, the gate's SiLU times up, or q's or k's norm and RoPE) and
+written once, in x's dtype or float32.
 
 In the compiled v6e schedule XLA's dots at a layer's shapes run at 1.8-2.2x the MXU's bound
 (hidden 1024, 2048 tokens; docs/tpu_v6e.md). Here a grid step takes a block of tokens and a
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
 from kernels.tpu_tiles import LANES, SUBLANES
 
 _TOKENS_WHOLE_BYTES = 8 << 20  # x kept whole in VMEM: read once, the weights streamed
@@ -98,12 +99,14 @@ def projection_kernel_applies(tokens: int, shapes) -> bool:
 
 
 def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs: int,
-                     itemsize: int, out_itemsize: int, blocks: ProjectionBlocks) -> int:
+                     itemsize: int, out_itemsize: int, blocks: ProjectionBlocks,
+                     rope_group: int = 0) -> int:
     """HBM bytes the kernel moves: x once (its block changes only with the token block), the
-    weights once if whole, else once per token block, and each of `outputs` once."""
+    weights once if whole, else once per token block, each of `outputs` once, and with RoPE
+    its two float32 tables [tokens, rope_group] once."""
     weight_reads = 1 if blocks.all_columns(width) else tokens // blocks.rows
     return ((tokens * depth + weight_reads * weights * depth * width) * itemsize
-            + outputs * tokens * width * out_itemsize)
+            + outputs * tokens * width * out_itemsize + 2 * tokens * rope_group * 4)
 
 
 def silu(x):
@@ -123,24 +126,59 @@ def _finish_each(products, biases, out_dtype):
                  for p, b in zip(products, biases))
 
 
-def _step(*refs, weights: int, biased: bool, gated: bool):
-    """One block of tokens times one block of each weight's columns, finished."""
-    x_ref, w_refs = refs[0], refs[1:1 + weights]
-    b_refs = refs[1 + weights:1 + 2 * weights] if biased else (None,) * weights
-    out_refs = refs[1 + weights + (weights if biased else 0):]
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What a call's kernel takes after x: `weights` weight blocks, a bias for each (where
+    `biased`), RoPE's two tables and norm weight (where `rope` is (head_dim, eps, normed)),
+    then its outputs."""
+    weights: int
+    biased: bool
+    gated: bool
+    rope: tuple[int, float, bool] | None
+
+    def split(self, refs) -> tuple:
+        """(weights, biases, rope operands, outputs) of `refs`."""
+        n, biases = self.weights, self.weights if self.biased else 0
+        tables = 0 if self.rope is None else 2 + self.rope[2]
+        return (refs[:n], refs[n:n + biases], refs[n + biases:n + biases + tables],
+                refs[n + biases + tables:])
+
+
+def _step(x_ref, *refs, layout: _Layout):
+    """One block of tokens times one block of each weight's columns, finished: the first
+    product normed and rotated where the call has RoPE."""
+    w_refs, b_refs, rope_refs, out_refs = layout.split(refs)
     x = x_ref[...]
     products = [jnp.dot(x, w[...], preferred_element_type=jnp.float32) for w in w_refs]
     dtype = out_refs[0].dtype
-    outs = (_finish_gated(products, dtype) if gated
-            else _finish_each(products, [None if b is None else b[...] for b in b_refs], dtype))
-    for out, y in zip(out_refs, outs):
-        out[...] = y
+    outs = (_finish_gated(products, dtype) if layout.gated
+            else _finish_each(products, [b[...] for b in b_refs] or [None] * len(products),
+                              dtype))
+    for i, (out, y) in enumerate(zip(out_refs, outs)):
+        if i == 0 and layout.rope is not None:
+            _store_rotated(out, y, *rope_refs, rope=layout.rope)
+        else:
+            out[...] = y
 
 
-def _kernel(layer_ref, x_ref, *refs, weights: int, biased: bool, gated: bool):
+def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rope: tuple[int, float, bool]):
+    """y (the product in out's dtype: what the norm and RoPE kernel would read) normed and
+    rotated a lane group at a time, as that kernel does."""
+    head_dim, eps, _ = rope
+    cos, sin = cos_ref[...], sin_ref[...]
+    weight = norm_ref[0][...] if norm_ref else None
+    group = cos.shape[-1]
+    for g in range(y.shape[-1] // group):
+        x = norm_rope_lanes(y[:, g * group:(g + 1) * group].astype(jnp.float32), cos, sin,
+                            weight, head_dim=head_dim, eps=eps)
+        out[:, pl.ds(g * group, group)] = x.astype(out.dtype)
+
+
+def _kernel(layer_ref, x_ref, *refs, layout: _Layout):
     """The weights are read where they lie in the stack (XLA's slice of a layer out of a
     stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
     step before computes, or once where one block holds them all."""
+    weights = layout.weights
     w_hbm, rest = refs[:weights], refs[weights:]
     w_vmem, copied = rest[-2:]
     step_refs = rest[:-2]
@@ -170,8 +208,7 @@ def _kernel(layer_ref, x_ref, *refs, weights: int, biased: bool, gated: bool):
             for c in copies((j + 1) % blocks, 1 - slot):
                 c.start()
         wait(j, slot)
-    _step(x_ref, *(w_vmem.at[slot, k] for k in range(weights)), *step_refs,
-          weights=weights, biased=biased, gated=gated)
+    _step(x_ref, *(w_vmem.at[slot, k] for k in range(weights)), *step_refs, layout=layout)
 
 
 def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
@@ -187,7 +224,7 @@ def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
 
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
-          blocks: ProjectionBlocks | None, interpret):
+          blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret):
     check_projection_shapes(x, weights, biases, layer)
     if layer is None:
         weights, layer = tuple(w[None] for w in weights), 0
@@ -196,16 +233,20 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
+    rope_operands = _rope_operands(rope, tokens, width, blocks, gated)
     outputs = 1 if gated else len(weights)
     slots = 1 if blocks.all_columns(width) else 2
+    layout = _Layout(len(weights), bool(biases), gated,
+                     rope and (rope.head_dim, rope.eps, rope.norm is not None))
     return pl.pallas_call(
-        functools.partial(_kernel, weights=len(weights), biased=bool(biases), gated=gated),
+        functools.partial(_kernel, layout=layout),
         name=name,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(tokens // blocks.rows, width // blocks.columns),
             in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, at: (i, 0))]
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(weights)
-            + [pl.BlockSpec((1, blocks.columns), lambda i, j, at: (0, j))] * len(biases),
+            + [pl.BlockSpec((1, blocks.columns), lambda i, j, at: (0, j))] * len(biases)
+            + _rope_specs(rope, blocks.rows),
             out_specs=[pl.BlockSpec((blocks.rows, blocks.columns),
                                     lambda i, j, at: (i, j))] * outputs,
             scratch_shapes=[pltpu.VMEM((slots, len(weights), depth, blocks.columns),
@@ -218,23 +259,47 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         cost_estimate=pl.CostEstimate(
             flops=2 * tokens * depth * width * len(weights),
             transcendentals=tokens * width if gated else 0,
-            bytes_accessed=projection_bytes(tokens, depth, width, len(weights), outputs,
-                                            x.dtype.itemsize, jnp.dtype(out_dtype).itemsize,
-                                            blocks)),
+            bytes_accessed=projection_bytes(
+                tokens, depth, width, len(weights), outputs, x.dtype.itemsize,
+                jnp.dtype(out_dtype).itemsize, blocks,
+                lane_group(rope.head_dim) if rope else 0)),
         interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), x, *weights,
-      *(b.reshape(1, -1) for b in biases))
+      *(b.reshape(1, -1) for b in biases), *rope_operands)
+
+
+def _rope_specs(rope: HeadRope | None, rows: int) -> list:
+    """A block of the tables' rows a step (the tokens'), and the norm weight whole."""
+    if rope is None:
+        return []
+    table = pl.BlockSpec((rows, lane_group(rope.head_dim)), lambda i, j, at: (i, 0))
+    norm = pl.BlockSpec((1, rope.head_dim), lambda i, j, at: (0, 0))
+    return [table, table] + ([norm] if rope.norm is not None else [])
+
+
+def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: ProjectionBlocks,
+                   gated: bool) -> tuple:
+    """The tables [T, group] and the norm weight [1, head_dim] (where given), checked."""
+    if rope is None:
+        return ()
+    rope.check(tokens, width)
+    if gated or blocks.columns % lane_group(rope.head_dim):
+        raise ValueError(f"RoPE needs a projection's column blocks of whole lane groups "
+                         f"({lane_group(rope.head_dim)}), got {blocks}, gated {gated}")
+    return (rope.cos, rope.sin) + (() if rope.norm is None else
+                                   (rope.norm.reshape(1, rope.head_dim),))
 
 
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
-            name: str = "project", blocks: ProjectionBlocks | None = None,
-            interpret=False) -> tuple:
+            rope: HeadRope | None = None, name: str = "project",
+            blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), the weights are a stack
-    [layers, in, out] read at that layer. `name`: the kernel's, one per call site (a study
+    [layers, in, out] read at that layer. With `rope`, the first product's heads (q, or k of
+    k and v) are normed and rotated in VMEM. `name`: the kernel's, one per call site (a study
     prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
-                       out_dtype=out_dtype or x.dtype, name=name, blocks=blocks,
+                       out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
                        interpret=interpret))
 
 
@@ -243,7 +308,7 @@ def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
     """SiLU(x @ w_gate) * (x @ w_up), in x's dtype: the MLP's input to its down projection.
     `layer` as in `project`."""
     (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
-                   blocks=blocks, interpret=interpret)
+                   blocks=blocks, rope=None, interpret=interpret)
     return out
 
 
@@ -252,14 +317,20 @@ def _at_layer(weights: tuple, layer) -> tuple:
 
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
-                      name: str = "project", blocks=None, interpret=False) -> tuple:
-    """Plain JAX, the same contract: the model's XLA dots."""
+                      rope: HeadRope | None = None, name: str = "project", blocks=None,
+                      interpret=False) -> tuple:
+    """Plain JAX, the same contract: the model's XLA dots (and the norm and RoPE kernel's
+    reference)."""
     del name, blocks, interpret
     check_projection_shapes(x, tuple(weights), tuple(biases), layer)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer(tuple(weights), layer)]
-    return _finish_each(products, list(biases) or [None] * len(products),
-                        out_dtype or x.dtype)
+    outs = _finish_each(products, list(biases) or [None] * len(products), out_dtype or x.dtype)
+    if rope is None:
+        return outs
+    rope.check(*outs[0].shape)
+    return (norm_rope_reference(outs[0], rope.cos, rope.sin, rope.norm,
+                                head_dim=rope.head_dim, eps=rope.eps),) + outs[1:]
 
 
 def gated_up_reference(x, w_gate, w_up, *, layer=None, name: str = "gate_up", blocks=None,

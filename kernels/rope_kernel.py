@@ -7,8 +7,11 @@ and the rotation as a concatenate, and moved the result back: a third of a Qwen3
 estimated v6e time at 2048 tokens (docs/tpu_v6e.md). Here a grid step takes a block of
 tokens of both arrays and treats them `lane_group(head_dim)` lanes at a time (a whole head,
 or two heads of 64): the norm sums a head's lanes, and the rotation is lane rolls of the
-group, weighted by per-token tables that the forward builds once for all layers.
+group, weighted by per-token tables that the forward builds once for all layers. Where the
+projections are kernels too, they apply the same lane-group code to their products in VMEM
+(`HeadRope`, `norm_rope_lanes`) and this kernel does not run.
 """
+import dataclasses
 import functools
 
 import jax
@@ -71,6 +74,38 @@ def _normed(x, weight, eps: float):
     return (weight * x.astype(weight.dtype)).astype(jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadRope:
+    """q's or k's norm and RoPE for a kernel that finishes q or k in VMEM (the projections'):
+    the tables of `rope_lane_tables` [T, group], the norm's weight [head_dim] or None."""
+    cos: jax.Array
+    sin: jax.Array
+    norm: jax.Array | None
+    head_dim: int
+    eps: float
+
+    def check(self, tokens: int, width: int) -> None:
+        group = lane_group(self.head_dim)
+        if (width % group or self.cos.shape != (tokens, group)
+                or self.sin.shape != (tokens, group)
+                or (self.norm is not None and (self.norm.shape != (self.head_dim,)
+                                               or self.head_dim % LANES))):
+            raise ValueError(f"RoPE over [{tokens}, {width}] (whole groups of {group} lanes) "
+                             f"takes tables [{tokens}, {group}] and a norm [head_dim] on "
+                             f"heads of whole lane tiles, got cos {self.cos.shape}, sin "
+                             f"{self.sin.shape}, norm {getattr(self.norm, 'shape', None)}, "
+                             f"head_dim {self.head_dim}")
+
+
+def norm_rope_lanes(x, cos, sin, weight, *, head_dim: int, eps: float):
+    """One lane group of q or k (float32 [rows, group]) normed over each head's lanes with
+    `weight` [1, head_dim] (where given) and rotated by the tables' rows; float32 out. For
+    this kernel and for others that finish q or k in VMEM (the projections')."""
+    if weight is not None:
+        x = _normed(x, weight, eps)
+    return x * cos + _rotated(x, head_dim) * sin
+
+
 def _kernel(*refs, head_dim: int, eps: float, norm: bool):
     if norm:
         q_ref, k_ref, cos_ref, sin_ref, q_w, k_w, q_out, k_out = refs
@@ -79,12 +114,12 @@ def _kernel(*refs, head_dim: int, eps: float, norm: bool):
     cos, sin = cos_ref[...], sin_ref[...]
     group = cos.shape[-1]
     for x_ref, w_ref, out in ((q_ref, q_w, q_out), (k_ref, k_w, k_out)):
+        weight = None if w_ref is None else w_ref[...]
         for g in range(x_ref.shape[-1] // group):
             lanes = pl.ds(g * group, group)
-            x = x_ref[:, lanes].astype(jnp.float32)
-            if norm:
-                x = _normed(x, w_ref[...], eps)
-            out[:, lanes] = (x * cos + _rotated(x, head_dim) * sin).astype(out.dtype)
+            x = norm_rope_lanes(x_ref[:, lanes].astype(jnp.float32), cos, sin, weight,
+                                head_dim=head_dim, eps=eps)
+            out[:, lanes] = x.astype(out.dtype)
 
 
 def rope_block_tokens(tokens: int, row_bytes: int) -> int:
@@ -170,16 +205,19 @@ def qk_norm_rope_reference(q, k, cos, sin, q_norm=None, k_norm=None, *, head_dim
     """Plain JAX, the same contract: the model's RMSNorm and rotate-half RoPE on [T, H, D]."""
     del block_tokens, interpret
     check_rope_shapes(q, k, cos, sin, head_dim)
+    return (norm_rope_reference(q, cos, sin, q_norm, head_dim=head_dim, eps=eps),
+            norm_rope_reference(k, cos, sin, k_norm, head_dim=head_dim, eps=eps))
+
+
+def norm_rope_reference(x, cos, sin, norm=None, *, head_dim: int, eps: float):
+    """x [T, H x D] (q or k) with each head RMS-normed (where `norm` [D] is given) and
+    rotated by the tables of `rope_lane_tables`, in plain JAX: the model's ops on [T, H, D]."""
     half = head_dim // 2
     cos_d = cos[:, None, :head_dim]
     sin_d = jnp.concatenate([-sin[:, None, :half], sin[:, None, half:head_dim]], axis=-1)
-
-    def one(x, weight):
-        dtype, x = x.dtype, x.reshape(x.shape[0], -1, head_dim)
-        if weight is not None:
-            x = rms_norm(x, weight, eps)
-        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        out = x.astype(jnp.float32) * cos_d + rotated.astype(jnp.float32) * sin_d
-        return out.astype(dtype).reshape(x.shape[0], -1)
-
-    return one(q, q_norm), one(k, k_norm)
+    dtype, heads = x.dtype, x.reshape(x.shape[0], -1, head_dim)
+    if norm is not None:
+        heads = rms_norm(heads, norm, eps)
+    rotated = jnp.concatenate([-heads[..., half:], heads[..., :half]], axis=-1)
+    out = heads.astype(jnp.float32) * cos_d + rotated.astype(jnp.float32) * sin_d
+    return out.astype(dtype).reshape(x.shape[0], -1)

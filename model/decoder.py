@@ -18,7 +18,7 @@ from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.projection_kernel import projection_kernel_applies, silu
 from kernels.rms_norm import rms_norm
-from kernels.rope_kernel import rope_angles, rope_kernel_applies, rope_lane_tables
+from kernels.rope_kernel import HeadRope, rope_angles, rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
@@ -27,6 +27,7 @@ from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
 FEATURE_MAJOR_MAX_TOKENS = 512
 PROJECTION_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+ROTATED_PROJECTIONS = ("project_q", "project_kv")  # calls that norm and rotate q's or k's heads
 
 
 def rope_tables(positions, head_dim: int, theta: float, feature_major: bool = False):
@@ -111,10 +112,12 @@ def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
     return y.astype(x.dtype)
 
 
-Project = Callable  # (x, pairs, call, shards=None) -> x @ each (weight, bias) pair's weight
-#                      (+ its bias, where the model has it) in x's dtype; with `shards` the
-#                      weights are split by rows and the partial sums all-reduced. `call`
-#                      names a kernel call (one for all the pairs).
+Project = Callable  # (x, pairs, call, shards=None, rope=None) -> x @ each (weight, bias)
+#                      pair's weight (+ its bias, where the model has it) in x's dtype; with
+#                      `shards` the weights are split by rows and the partial sums
+#                      all-reduced. `call` names a kernel call (one for all the pairs).
+#                      `rope` (kernels.rope_kernel.HeadRope, the kernel's only): the first
+#                      product's heads normed and rotated in the kernel.
 
 
 def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
@@ -124,8 +127,10 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
     if kernels.project is not None:
         return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
-    def xla(x, pairs, call, shards=None):
+    def xla(x, pairs, call, shards=None, rope=None):
         del call
+        if rope is not None:
+            raise ValueError("RoPE in the projections needs the projection kernel")
         return tuple(_project(dot, x, w, lp.get(b), shards, feature_major) for w, b in pairs)
     return xla
 
@@ -141,28 +146,37 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
-                        shards=None):
-    """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)."""
+                        shards=None, rope=None):
+    """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots);
+    RoPE takes whole products (q's and k's projections are split by columns, not rows)."""
     weights = tuple(stacked[w] for w, _ in pairs)
     biases = tuple(lp[b] for _, b in pairs if b in lp)
     if shards is None or not shards.sharded:
-        return kernel(x, weights, biases, layer=layer, name=call)
+        return kernel(x, weights, biases, layer=layer, rope=rope, name=call)
+    if rope is not None:
+        raise ValueError("RoPE needs whole products, not a row-split projection's")
     sums = (all_reduce(y, shards)
             for y in kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call))
     return tuple((y + lp[b].astype(jnp.float32) if b in lp else y).astype(x.dtype)
                  for y, (_, b) in zip(sums, pairs))
 
 
-def _qkv(cfg: ModelConfig, project: Project, lp: dict, h, cos, sin, rope: Callable | None):
-    """q, k, v token-major [T, heads, D] (this shard's heads). `rope`: the kernel that norms
-    and rotates q and k in the projections' layout (the tables are then `rope_lane_tables`')."""
-    (q,) = project(h, (("wq", "bq"),), "project_q")
-    k, v = project(h, (("wk", "bk"), ("wv", "bv")), "project_kv")
-    if rope is not None:
-        norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else ()
-        q, k = rope(q, k, cos, sin, *norms, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, cos, sin):
+    """q, k, v token-major [T, heads, D] (this shard's heads). q's and k's norm and RoPE: in
+    the projection kernels where the backend has them and the norm and RoPE kernel, else in
+    that kernel (both on the projections' layout, with `rope_lane_tables`), else XLA's ops."""
+    norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
+    in_projections = kernels.rope is not None and kernels.project is not None
+    q_rope, k_rope = ((HeadRope(cos, sin, n, cfg.head_dim, cfg.rms_norm_eps) for n in norms)
+                      if in_projections else (None, None))
+    q_call, kv_call = ROTATED_PROJECTIONS
+    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope)
+    k, v = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope)
+    if kernels.rope is not None and not in_projections:
+        q, k = kernels.rope(q, k, cos, sin, *norms if cfg.qk_norm else (),
+                            head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
     q, k, v = (y.reshape(h.shape[0], -1, cfg.head_dim) for y in (q, k, v))
-    if rope is None:
+    if kernels.rope is None:
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -237,7 +251,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     with jax.named_scope("qkv"):
         h = _norm(cfg, x, lp["attn_norm"], feature_major)
         q, k, v = (_qkv_feature_major(cfg, lp, dot, h, cos, sin) if feature_major
-                   else _qkv(cfg, project, lp, h, cos, sin, kernels.rope))
+                   else _qkv(cfg, kernels, project, lp, h, cos, sin))
         q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     with jax.named_scope("kv_write"):
         page_ids, page_tokens = written

@@ -39,33 +39,38 @@ def test_model_on_planned_paths_equals_reference_path(model_dirs, engines, famil
         made.close()
 
 
-@pytest.mark.parametrize("family, overrides, head_dim", [
-    ("qwen3", dict(head_dim=128), 128), ("llama", dict(num_key_value_heads=4), 32),
-    ("qwen2", dict(num_key_value_heads=4), 32)])
+@pytest.mark.parametrize("family, overrides, head_dim, projections", [
+    ("qwen3", dict(head_dim=128), 128, True), ("qwen3", dict(head_dim=128), 128, False),
+    ("llama", dict(num_key_value_heads=4), 32, True),
+    ("qwen2", dict(num_key_value_heads=4), 32, True)])
 def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, monkeypatch,
                                                                      family, overrides,
-                                                                     head_dim):
+                                                                     head_dim, projections):
     """With heads the norm and RoPE kernel takes (Qwen3's norm on 128 lanes; Llama's and
     Qwen2's heads of 32, four to a lane group) and weights of whole lane tiles, every
     projection on its kernel (the weights read from the stacks at the layer; Qwen2's q, k and
-    v biases): the Pallas kernels in the TPU interpreter score as the dense reference."""
+    v biases), q's and k's norm and RoPE in the q and k projections; or, with too few tokens
+    for the projection kernels, in the norm and RoPE kernel: the Pallas kernels in the TPU
+    interpreter score as the dense reference."""
     from kernels import backends, projection_kernel
     from model import decoder
     from tests.tiny_models import write_checkpoint
-    monkeypatch.setattr(projection_kernel, "MIN_TOKENS", 0)  # the tests' batches are small
+    if projections:
+        monkeypatch.setattr(projection_kernel, "MIN_TOKENS", 0)  # the tests' batches are small
     traced, projected = [], []
 
     def counting(kernel, seen, key):
         def counted(*args, **kw):
-            seen.append(kw[key])
+            seen.append(key(kw))
             return kernel(*args, **kw)
         return counted
 
     monkeypatch.setattr(backends, "qk_norm_rope", counting(backends.qk_norm_rope, traced,
-                                                           "head_dim"))
+                                                           lambda kw: kw["head_dim"]))
     for name in ("project", "gated_up"):
-        monkeypatch.setattr(backends, name, counting(getattr(backends, name), projected,
-                                                     "name"))
+        monkeypatch.setattr(backends, name, counting(
+            getattr(backends, name), projected,
+            lambda kw: (kw["name"], kw["rope"].head_dim if kw.get("rope") else None)))
     path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
                             intermediate_size=256, **overrides)
     kernel, reference = (Engine.from_path(path, small_config(**kw)) for kw in (
@@ -77,8 +82,10 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
     finally:
         kernel.close()
         reference.close()
-    assert traced and set(traced) == {head_dim}
-    assert set(projected) == set(decoder.projection_shapes(kernel.runner.cfg))
+    want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None)
+            for name in decoder.projection_shapes(kernel.runner.cfg)}
+    assert set(projected) == (want if projections else set())
+    assert set(traced) == (set() if projections else {head_dim})
 
 
 def test_the_xla_loop_takes_its_block_sizes_by_platform():

@@ -102,6 +102,67 @@ def test_stacked_weights_are_read_at_the_layer(dtype, blocks):
         project(x, (w[0],), layer=0, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim, norm, blocks", [
+    (128, True, None), (128, True, ProjectionBlocks(16, 256)), (64, False, None),
+    (64, False, ProjectionBlocks(32, 128)), (256, True, ProjectionBlocks(16, 256))])
+def test_rope_in_the_projection_is_the_norm_and_rope_kernels(dtype, head_dim, norm, blocks):
+    """q's or k's norm and RoPE as the projection's epilogue (the first of k and v; stacked
+    weights at a traced layer, a bias): the reference is the projection's then the norm and
+    RoPE kernel's reference, bit for bit; the kernel, with race detection, is within the
+    projection's tolerance of it and of the two kernels one after the other (the same ops on
+    the same rounded product: an ulp apart where XLA fuses the interpreter's ops
+    differently)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.rope_kernel import HeadRope, qk_norm_rope, qk_norm_rope_reference, \
+        rope_lane_tables
+    x, wk, wv, bk, bv, weight = _arrays(dtype, 4, (64, 256), (2, 256, 512), (2, 256, 512),
+                                        (512,), (512,), (head_dim,))
+    cos, sin = rope_lane_tables(jnp.arange(64) * 7, head_dim, 1e6)
+    norms = (1 + weight / 4,) * 2 if norm else ()
+    rope = HeadRope(cos, sin, norms[0] if norm else None, head_dim, 1e-6)
+    interpret = pltpu.InterpretParams(detect_races=True)
+    run = jax.jit(lambda x, at: project(x, (wk, wv), (bk, bv), layer=at, rope=rope,
+                                        blocks=blocks, interpret=interpret))
+    got = run(x, jnp.int32(1))
+    want = project_reference(x, (wk, wv), (bk, bv), layer=1, rope=rope)
+    k, v = project_reference(x, (wk, wv), (bk, bv), layer=1)
+    twice = qk_norm_rope_reference(k, k, cos, sin, *norms, head_dim=head_dim, eps=1e-6)
+    np.testing.assert_array_equal(_f32(want[0]), _f32(twice[0]))
+    np.testing.assert_array_equal(_f32(want[1]), _f32(v))
+    k, v = project(x, (wk, wv), (bk, bv), layer=1, blocks=blocks, interpret=interpret)
+    two_kernels = qk_norm_rope(k, k, cos, sin, *norms, head_dim=head_dim, eps=1e-6,
+                               interpret=interpret)[0]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    np.testing.assert_allclose(_f32(got[0]), _f32(two_kernels), **tol)
+    np.testing.assert_array_equal(_f32(got[1]), _f32(v))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_f32(g), _f32(w), **tol)
+    assert not interpret_pallas_call.races.races_found
+
+
+def test_bad_rope_operands_are_refused():
+    from kernels.rope_kernel import HeadRope, rope_lane_tables
+    x, w, weight = _arrays(jnp.float32, 5, (32, 64), (64, 256), (128,))
+    cos, sin = rope_lane_tables(jnp.arange(32), 128, 1e4)
+    call = functools.partial(project, x, (w,), interpret=True)
+    with pytest.raises(ValueError, match=r"cos \(16, 128\)"):
+        call(rope=HeadRope(cos[:16], sin, None, 128, 1e-6))
+    with pytest.raises(ValueError, match=r"norm \(64,\)"):
+        call(rope=HeadRope(cos, sin, weight[:64], 128, 1e-6))
+    with pytest.raises(ValueError, match="whole groups of 128 lanes"):
+        project(x, (w[:, :192],), rope=HeadRope(cos, sin, None, 64, 1e-6), interpret=True)
+    with pytest.raises(ValueError, match="column blocks of whole lane groups"):
+        call(rope=HeadRope(*rope_lane_tables(jnp.arange(32), 256, 1e4), None, 256, 1e-6),
+             blocks=ProjectionBlocks(32, 128))
+    with pytest.raises(ValueError, match="needs the projection kernel"):
+        lp = dict(wq=w)
+        xla = select_kernels("xla", sm_scale=1.0, max_q_len=32, sizes=None)
+        decoder._layer_projections(xla, lp, {}, 0, decoder._layer_dot(lp, None, 0, False),
+                                   False)(x, (("wq", "bq"),), "project_q",
+                                          rope=HeadRope(cos, sin, None, 128, 1e-6))
+
+
 def test_bad_shapes_are_refused():
     x, w, b = _arrays(jnp.float32, 2, (32, 64), (64, 256), (256,))
     call = functools.partial(project, interpret=True)
@@ -160,20 +221,30 @@ def test_blocks_fit_vmem_and_read_each_operand_once_where_it_fits(model):
 @pytest.mark.parametrize("model", SIZED_MODELS)
 def test_a_layers_projections_compile_for_v6e(model):
     """Each projection of the sized models' layers at 2,048 tokens in bfloat16 (the gate and
-    up as one), through Mosaic's compiler."""
-    shapes = decoder.projection_shapes(SIZED_MODELS[model])
+    up as one; q's and k's norm and RoPE in theirs where the model takes the kernels: not
+    SmolLM2-135M's heads), through Mosaic's compiler."""
+    from kernels.projection_kernel import projection_kernel_applies
+    from kernels.rope_kernel import HeadRope, lane_group
+    cfg = SIZED_MODELS[model]
+    shapes = decoder.projection_shapes(cfg)
     sds, tokens = jax.ShapeDtypeStruct, 2048
+    norm = cfg.qk_norm or None
+    rotating = (decoder.ROTATED_PROJECTIONS if projection_kernel_applies(
+        tokens, [(depth, width) for depth, width, _, _ in shapes.values()]) else ())
 
-    def layer(*args):
+    def layer(cos, sin, weight, *args):
         args, outs = iter(args), []
+        rope = HeadRope(cos, sin, norm and weight, cfg.head_dim, cfg.rms_norm_eps)
         for name, (_, _, n, _) in shapes.items():
             x, weights = next(args), [next(args) for _ in range(n)]
             outs += ([gated_up(x, *weights, name=name)] if name == "gate_up"
-                     else list(project(x, weights, name=name)))
+                     else list(project(x, weights, name=name,
+                                       rope=rope if name in rotating else None)))
         return outs
+    tables = [sds((tokens, lane_group(cfg.head_dim)), jnp.float32)] * 2
     args = [a for depth, width, n, _ in shapes.values()
             for a in [sds((tokens, depth), jnp.bfloat16)] + [sds((depth, width), jnp.bfloat16)] * n]
-    compiled = compile_for_v6e(layer, *args)
+    compiled = compile_for_v6e(layer, *tables, sds((cfg.head_dim,), jnp.bfloat16), *args)
     assert sorted(mosaic_kernels(compiled)) == sorted(shapes)
 
 

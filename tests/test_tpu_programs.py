@@ -29,9 +29,10 @@ from runtime.pool_size import DeviceMemory, kv_pool_pages
 KERNELS = ["label_gather_rows", "label_gather_streamed", "qk_norm_rope",
            "ragged_paged_attention", "write_kv_pages"]
 # From 512 tokens, where a shard's weights are whole lane tiles (kernels.projection_kernel):
-# every projection of a layer, on its kernel.
-WITH_PROJECTIONS = sorted(KERNELS + ["gate_up", "project_down", "project_kv", "project_out",
-                                     "project_q"])
+# every projection of a layer, on its kernel, q's and k's with their norm and RoPE.
+WITH_PROJECTIONS = sorted([k for k in KERNELS if k != "qk_norm_rope"]
+                          + ["gate_up", "project_down", "project_kv", "project_out",
+                             "project_q"])
 POOL_PAGES = 2048  # 32k tokens, the server's default pool on CPU
 
 

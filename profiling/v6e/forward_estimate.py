@@ -17,9 +17,9 @@ from kernels.label_gather_kernel import (
 )
 from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
-from kernels.rope_kernel import lane_group, padded_width
+from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
-from model.decoder import pool_head_dim, projection_shapes
+from model.decoder import ROTATED_PROJECTIONS, pool_head_dim, projection_shapes
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
     attention_estimate,
@@ -136,7 +136,10 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
                                       streamed_row_block(rows), 2))
     rope = ({"rope": _rope_estimate(cfg, shape, schedules["qk_norm_rope"])}
             if "qk_norm_rope" in schedules else {})  # heads it takes (kernels.rope_kernel)
-    projections = {name: projection_estimate(schedules[name], shape.tokens, *dims, 2)
+    group = (lane_group(cfg.head_dim) if rope_kernel_applies(cfg.head_dim, cfg.qk_norm)
+             and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
+    projections = {name: projection_estimate(schedules[name], shape.tokens, *dims, 2,
+                                             group if name in ROTATED_PROJECTIONS else 0)
                    for name, dims in projection_shapes(cfg).items()
                    if name in schedules}  # weights it takes (kernels.projection_kernel)
     return {

@@ -77,14 +77,15 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
 
 
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
-                        weights: int, outputs: int, itemsize: int) -> dict:
-    """A projection kernel (kernels.projection_kernel) over `tokens`: its grid steps, each at
-    the larger of its bundles and its share of the bytes the kernel moves (the listing holds
-    every block's DMA in every step, where the pipeline skips a block that did not change)."""
+                        weights: int, outputs: int, itemsize: int, rope_group: int = 0) -> dict:
+    """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
+    `rope_group` lanes where it rotates: its grid steps, each at the larger of its bundles and
+    its share of the bytes the kernel moves (the listing holds every block's DMA in every
+    step, where the pipeline skips a block that did not change)."""
     blocks = projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     moved = projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
-                             blocks)
+                             blocks, rope_group)
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
             "step_bundles": schedule.step_bundles(),
             "v6e_estimate_s": estimate_seconds(schedule, steps, step_bytes=moved / steps)}
