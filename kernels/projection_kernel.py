@@ -128,13 +128,18 @@ def _finish_each(products, biases, out_dtype):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """What a call's kernel takes after x: `weights` weight blocks, a bias for each (where
-    `biased`), RoPE's two tables and norm weight (where `rope` is (head_dim, eps, normed)),
-    then its outputs."""
-    weights: int
+    """What a call's kernel takes after x: a stack for each of `groups` (its count of
+    weights), a bias for each weight (where `biased`), RoPE's two tables and norm weight
+    (where `rope` is (head_dim, eps, normed)), then its outputs; a step sees the weights'
+    blocks in place of the stacks."""
+    groups: tuple[int, ...]
     biased: bool
     gated: bool
     rope: tuple[int, float, bool] | None
+
+    @property
+    def weights(self) -> int:
+        return sum(self.groups)
 
     def split(self, refs) -> tuple:
         """(weights, biases, rope operands, outputs) of `refs`."""
@@ -178,18 +183,19 @@ def _kernel(layer_ref, x_ref, *refs, layout: _Layout):
     """The weights are read where they lie in the stack (XLA's slice of a layer out of a
     stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
     step before computes, or once where one block holds them all."""
-    weights = layout.weights
-    w_hbm, rest = refs[:weights], refs[weights:]
+    w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
     w_vmem, copied = rest[-2:]
     step_refs = rest[:-2]
     slots, columns = w_vmem.shape[0], w_vmem.shape[-1]
     j, blocks = pl.program_id(1), pl.num_programs(1)
     step = pl.program_id(0) * blocks + j
 
+    sources = [(w, i) for w, n in zip(w_hbm, layout.groups) for i in range(n)]
+
     def copies(block, slot):
-        return [pltpu.make_async_copy(w.at[layer_ref[0], :, pl.ds(block * columns, columns)],
+        return [pltpu.make_async_copy(w.at[layer_ref[0], i, :, pl.ds(block * columns, columns)],
                                       w_vmem.at[slot, k], copied.at[slot, k])
-                for k, w in enumerate(w_hbm)]
+                for k, (w, i) in enumerate(sources)]
 
     def wait(block, slot):
         for c in copies(block, slot):
@@ -208,35 +214,49 @@ def _kernel(layer_ref, x_ref, *refs, layout: _Layout):
             for c in copies((j + 1) % blocks, 1 - slot):
                 c.start()
         wait(j, slot)
-    _step(x_ref, *(w_vmem.at[slot, k] for k in range(weights)), *step_refs, layout=layout)
+    _step(x_ref, *(w_vmem.at[slot, k] for k in range(layout.weights)), *step_refs,
+          layout=layout)
 
 
 def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
-    shape = weights[0].shape if weights else None
-    if (x.ndim != 2 or not weights or any(w.shape != shape for w in weights)
-            or len(shape) != (2 if layer is None else 3) or shape[-2] != x.shape[1]
-            or (biases and (len(biases) != len(weights)
-                            or any(b.shape != (shape[-1],) for b in biases)))):
-        raise ValueError(f"expected x [T, in], weights of one shape [in, out] ([layers, in, "
-                         f"out] with a layer) and a bias [out] for each or none, got x "
-                         f"{x.shape}, weights {[w.shape for w in weights]}, biases "
-                         f"{[b.shape for b in biases]}, layer {layer}")
+    matrices = {w.shape[-2:] for w in weights}
+    ranks = {w.ndim for w in weights} <= ({2} if layer is None else {3, 4})
+    (depth, width), = matrices if len(matrices) == 1 else ((None, None),)
+    if (x.ndim != 2 or not weights or not ranks or depth != x.shape[1]
+            or (biases and (len(biases) != _weight_count(weights)
+                            or any(b.shape != (width,) for b in biases)))):
+        raise ValueError(f"expected x [T, in], weights of one shape [in, out] (with a layer, "
+                         f"stacks [layers, in, out] or groups [layers, n, in, out]) and a bias "
+                         f"[out] for each or none, got x {x.shape}, weights "
+                         f"{[w.shape for w in weights]}, biases {[b.shape for b in biases]}, "
+                         f"layer {layer}")
+
+
+def _weight_count(weights: tuple) -> int:
+    return sum(w.shape[1] if w.ndim == 4 else 1 for w in weights)
+
+
+def _groups(weights: tuple, layer) -> tuple:
+    """The weights as the kernel reads them, stacks of groups [layers, n, in, out]."""
+    if layer is None:
+        return tuple(w[None, None] for w in weights)
+    return tuple(w if w.ndim == 4 else w[:, None] for w in weights)
 
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret):
     check_projection_shapes(x, weights, biases, layer)
-    if layer is None:
-        weights, layer = tuple(w[None] for w in weights), 0
-    (tokens, depth), width = x.shape, weights[0].shape[-1]
-    blocks = blocks or projection_blocks(tokens, depth, width, len(weights), x.dtype.itemsize)
+    stacks, layer = _groups(weights, layer), 0 if layer is None else layer
+    groups = tuple(w.shape[1] for w in stacks)
+    n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
+    blocks = blocks or projection_blocks(tokens, depth, width, n, x.dtype.itemsize)
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
     rope_operands = _rope_operands(rope, tokens, width, blocks, gated)
-    outputs = 1 if gated else len(weights)
+    outputs = 1 if gated else n
     slots = 1 if blocks.all_columns(width) else 2
-    layout = _Layout(len(weights), bool(biases), gated,
+    layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None))
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout),
@@ -244,27 +264,26 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(tokens // blocks.rows, width // blocks.columns),
             in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, at: (i, 0))]
-            + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(weights)
+            + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, at: (0, j))] * len(biases)
             + _rope_specs(rope, blocks.rows),
             out_specs=[pl.BlockSpec((blocks.rows, blocks.columns),
                                     lambda i, j, at: (i, j))] * outputs,
-            scratch_shapes=[pltpu.VMEM((slots, len(weights), depth, blocks.columns),
-                                       weights[0].dtype),
-                            pltpu.SemaphoreType.DMA((slots, len(weights)))]),
+            scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
+                            pltpu.SemaphoreType.DMA((slots, n))]),
         out_shape=[jax.ShapeDtypeStruct((tokens, width), out_dtype)] * outputs,
         # sequential: a step copies in the next step's weights
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=_VMEM_LIMIT_BYTES),
         cost_estimate=pl.CostEstimate(
-            flops=2 * tokens * depth * width * len(weights),
+            flops=2 * tokens * depth * width * n,
             transcendentals=tokens * width if gated else 0,
             bytes_accessed=projection_bytes(
-                tokens, depth, width, len(weights), outputs, x.dtype.itemsize,
+                tokens, depth, width, n, outputs, x.dtype.itemsize,
                 jnp.dtype(out_dtype).itemsize, blocks,
                 lane_group(rope.head_dim) if rope else 0)),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *weights,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *stacks,
       *(b.reshape(1, -1) for b in biases), *rope_operands)
 
 
@@ -294,10 +313,10 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
             rope: HeadRope | None = None, name: str = "project",
             blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
-    `out_dtype` (default x's). With `layer` (an int32 scalar), the weights are a stack
-    [layers, in, out] read at that layer. With `rope`, the first product's heads (q, or k of
-    k and v) are normed and rotated in VMEM. `name`: the kernel's, one per call site (a study
-    prices each)."""
+    `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
+    [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
+    v's). With `rope`, the first product's heads (q, or k of k and v) are normed and rotated in
+    VMEM. `name`: the kernel's, one per call site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
                        interpret=interpret))
@@ -313,7 +332,10 @@ def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
 
 
 def _at_layer(weights: tuple, layer) -> tuple:
-    return weights if layer is None else tuple(w[layer] for w in weights)
+    """Each weight [in, out] at the layer (a group's one by one)."""
+    if layer is None:
+        return weights
+    return tuple(m for w in weights for m in (w[layer] if w.ndim == 4 else w[layer][None]))
 
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,

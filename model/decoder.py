@@ -22,11 +22,12 @@ from kernels.rope_kernel import HeadRope, rope_angles, rope_kernel_applies, rope
 from kernels.tpu_tiles import lane_aligned
 from model.batch import ForwardBatch, KVCache
 from model.config import ModelConfig
-from model.params import head_weight
+from model.params import KV_GROUP, head_weight
 from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 
 FEATURE_MAJOR_MAX_TOKENS = 512
-PROJECTION_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PROJECTION_WEIGHTS = ("wq", "wk", "wv", KV_GROUP, "wo", "w_gate", "w_up", "w_down")
+KV_WEIGHTS = ("wk", "wv")  # in KV_GROUP, in this order (model.params.grouped_kv)
 ROTATED_PROJECTIONS = ("project_q", "project_kv")  # calls that norm and rotate q's or k's heads
 
 
@@ -104,12 +105,16 @@ def _dot_feature_major(n: int, x, weights: tuple):
 def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,
              feature_major: bool = False):
     """x @ w (+ bias); with `shards`, w is split by rows and the partial sums are all-reduced."""
-    y = dot(x, name)
+    return _finished(dot(x, name), x.dtype, bias, shards, feature_major)
+
+
+def _finished(y, dtype, bias=None, shards: ShardPlan | None = None,
+              feature_major: bool = False):
     if shards is not None:
         y = all_reduce(y, shards)
     if bias is not None:
         y = y + (bias[:, None] if feature_major else bias).astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(dtype)
 
 
 Project = Callable  # (x, pairs, call, shards=None, rope=None) -> x @ each (weight, bias)
@@ -123,7 +128,9 @@ Project = Callable  # (x, pairs, call, shards=None, rope=None) -> x @ each (weig
 def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
                        feature_major: bool) -> Project:
     """On the projection kernel where the backend has one (reading `layer`'s weights from
-    the `stacked` weights), else XLA's dots, one a pair."""
+    the `stacked` weights), else XLA's dots, one a pair or one for k and v where their weights
+    are one stack (two would each read a layer's group, which XLA then copies out of the
+    stack first)."""
     if kernels.project is not None:
         return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
@@ -131,6 +138,11 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
         del call
         if rope is not None:
             raise ValueError("RoPE in the projections needs the projection kernel")
+        if tuple(w for w, _ in pairs) == KV_WEIGHTS and KV_GROUP in lp:
+            both = jax.lax.dot_general(x, lp[KV_GROUP], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)  # [T, 2, out]
+            return tuple(_finished(both[:, i], x.dtype, lp.get(b), shards)
+                         for i, (_, b) in enumerate(pairs))
         return tuple(_project(dot, x, w, lp.get(b), shards, feature_major) for w, b in pairs)
     return xla
 
@@ -149,7 +161,7 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
                         shards=None, rope=None):
     """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots);
     RoPE takes whole products (q's and k's projections are split by columns, not rows)."""
-    weights = tuple(stacked[w] for w, _ in pairs)
+    weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, name=call)
@@ -159,6 +171,13 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
             for y in kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call))
     return tuple((y + lp[b].astype(jnp.float32) if b in lp else y).astype(x.dtype)
                  for y, (_, b) in zip(sums, pairs))
+
+
+def _call_weights(stacked: dict, names: tuple) -> tuple:
+    """The stacks a kernel call reads: k's and v's as their group, where they are one."""
+    if names == KV_WEIGHTS and KV_GROUP in stacked:
+        return (stacked[KV_GROUP],)
+    return tuple(stacked[n] for n in names)
 
 
 def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, cos, sin):
@@ -282,7 +301,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
         kernels = kernels._replace(rope=None)
     layer_params, stacked = params["layers"], {}
     if matrices is not None or not projection_kernel_applies(  # this shard's weights
-            x.shape[0], (layer_params[w].shape for w in PROJECTION_WEIGHTS)):
+            x.shape[0], (w.shape for k, w in layer_params.items() if k in PROJECTION_WEIGHTS)):
         kernels = kernels._replace(project=None, gated_up=None)
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}

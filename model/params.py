@@ -2,7 +2,8 @@
 
 Layer weights are stacked along a leading layer axis (the decoder scans over it) and
 stored as [in, out] so that the forward pass is `x @ w`; on CPU the matrices are then split
-into one array per layer, [out, in] (`per_layer_matrices`). The output head stays [rows, H]:
+into one array per layer, [out, in] (`per_layer_matrices`), and for the TPU kernels k's and
+v's are one stack (`grouped_kv`). The output head stays [rows, H]:
 the label gather reads rows of it. Arrays stay on the host (numpy, in the target dtype) until
 the model runner places them on its devices, split or whole.
 """
@@ -18,6 +19,7 @@ _LINEARS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn
             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
             "w_down": "mlp.down_proj"}
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+KV_GROUP = "w_kv"  # `grouped_kv`: [layers, 2, in, out], k's weights then v's
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -99,6 +101,26 @@ def per_layer_matrices(params: dict) -> dict:
     matrices = tuple({k: layers[k][i].T for k in _LINEARS} for i in range(len(layers["wq"])))
     vectors = {k: v for k, v in layers.items() if k not in _LINEARS}
     return {**params, "layers": vectors, "layer_matrices": matrices}
+
+
+def grouped_kv(params: dict) -> dict:
+    """`params` with k's and v's weights as one stack [layers, 2, in, out], KV_GROUP, as the
+    TPU projection kernel reads them in one call. Stacked apart, XLA's memory-space assignment
+    moved k's whole stack (56 MiB at Qwen3-0.6B's size), a kernel operand that fits VMEM, into
+    VMEM in every layer (docs/tpu_v6e.md)."""
+    layers = dict(params["layers"])
+    layers[KV_GROUP] = np.stack([layers.pop("wk"), layers.pop("wv")], axis=1)
+    return {**params, "layers": layers}
+
+
+def grouped_kv_shapes(shapes: dict) -> dict:
+    """`grouped_kv` on params' shapes (`param_shapes`)."""
+    layers = dict(shapes["layers"])
+    k, v = layers.pop("wk"), layers.pop("wv")
+    if k != v:
+        raise ValueError(f"k's weights {k} and v's {v} differ")
+    layers[KV_GROUP] = (k[0], 2, *k[1:])
+    return {**shapes, "layers": layers}
 
 
 def head_weight(params: dict):

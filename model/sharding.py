@@ -18,9 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from model.batch import KVCache
 from model.config import ModelConfig
+from model.params import KV_GROUP
 
 TP_AXIS = "tp"
 _COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked [layers, in, out]: split out
+_GROUPED_COLUMNS = (KV_GROUP,)                     # [layers, n, in, out]: split out
 _ROWS = ("wo", "w_down")                          # split in
 _BIASES = ("bq", "bk", "bv")                       # [layers, out]
 _KV = ("wk", "wv", "bk", "bv")
@@ -81,6 +83,8 @@ def param_specs(params: dict, shards: ShardPlan) -> dict:
     def layer_spec(key):
         if key in _COLUMNS:
             return P(None, None, TP_AXIS)
+        if key in _GROUPED_COLUMNS:
+            return P(None, None, None, TP_AXIS)
         if key in _ROWS:
             return P(None, TP_AXIS, None)
         return P(None, TP_AXIS) if key in _BIASES else P()

@@ -97,8 +97,10 @@ def draw_roofline(points: list[dict], title: str, path: str) -> None:
         ax.scatter(x, y, marker=marker, s=40, label=f"{kind}, v6e estimate")
         for i, (p, xi, yi) in enumerate(zip(mine, x, y)):
             share = min(V6E_FLOPS, xi * V6E_HBM)
-            # the kernels' points cluster: their labels stack above and left, with a leader
-            offset = (6, -12) if kind == "whole forward" else (-95, 14 + 12 * i)
+            # the kernels' points cluster: their labels stack above and left, with a leader;
+            # the forwards' alternate below and above, where two lie close
+            offset = ((6, -12 if i % 2 == 0 else 8) if kind == "whole forward"
+                      else (-95, 14 + 12 * i))
             ax.annotate(f"{p['label']}: {yi / share:.0%}", (xi, yi), fontsize=7,
                         xytext=offset, textcoords="offset points",
                         arrowprops=dict(arrowstyle="-", lw=0.4, color="grey"))

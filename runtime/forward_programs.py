@@ -20,12 +20,12 @@ from absl import logging
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels.backends import KernelSet
+from kernels.backends import TPU_BACKENDS, KernelSet
 from model.batch import KVCache, pack, unpack
 from model.config import ModelConfig
 from model.decoder import kv_pool_shape, score_forward
 from model.loader import DTYPES
-from model.params import param_shapes
+from model.params import grouped_kv_shapes, param_shapes
 from model.sharding import (
     ShardPlan,
     cache_placements,
@@ -181,6 +181,8 @@ def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: s
     and `devices` may be a deviceless topology's (jax.experimental.topologies)."""
     shards, mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
     shapes = repeat_kv_shapes(param_shapes(cfg), shards.kv_repeat)
+    if backend in TPU_BACKENDS:
+        shapes = grouped_kv_shapes(shapes)  # as ModelRunner holds them
     params = jax.tree.map(lambda shape, placement: jax.ShapeDtypeStruct(shape, dtype,
                                                                        sharding=placement),
                           shapes, param_placements(shapes, shards, mesh),

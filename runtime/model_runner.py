@@ -14,7 +14,7 @@ from kernels.backends import TPU_BACKENDS
 from model.batch import ForwardBatch, KVCache, pack
 from model.config import ModelConfig
 from model.decoder import empty_cache
-from model.params import per_layer_matrices
+from model.params import grouped_kv, per_layer_matrices
 from model.sharding import (
     cache_placements,
     param_placements,
@@ -40,8 +40,10 @@ class ModelRunner:
         devices = list(devices or jax.devices()[:1])
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
-        if devices[0].platform == "cpu" and backend not in TPU_BACKENDS:
-            params = per_layer_matrices(params)  # the TPU kernels take the stacked weights
+        if backend in TPU_BACKENDS:
+            params = grouped_kv(params)  # the TPU kernels take the stacked weights
+        elif devices[0].platform == "cpu":
+            params = per_layer_matrices(params)
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
         self._new_cache = self._cache_maker()
         self.cache = self._new_cache()

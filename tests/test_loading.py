@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from model.config import config_from_hf
 from model.loader import checkpoint_dtype, load_config, load_model
-from model.params import param_shapes
+from model.params import KV_GROUP, grouped_kv, grouped_kv_shapes, param_shapes
 from model.sharding import repeat_kv_heads, repeat_kv_shapes
 from tests.tiny_models import FAMILIES, hf_config
 
@@ -29,6 +29,10 @@ def test_shapes_from_the_config_alone_are_the_loaded_ones(model_dirs, family):
     shapes = lambda tree: jax.tree.map(np.shape, tree)  # noqa: E731
     assert shapes(params) == param_shapes(cfg)
     assert shapes(repeat_kv_heads(params, cfg, 2)) == repeat_kv_shapes(param_shapes(cfg), 2)
+    grouped = grouped_kv(params)
+    assert shapes(grouped) == grouped_kv_shapes(param_shapes(cfg))
+    for i, name in enumerate(("wk", "wv")):  # the TPU kernels' k and v weights, one stack
+        np.testing.assert_array_equal(grouped["layers"][KV_GROUP][:, i], params["layers"][name])
 
 
 def test_embedded_config_without_its_weights():

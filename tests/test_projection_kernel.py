@@ -102,6 +102,32 @@ def test_stacked_weights_are_read_at_the_layer(dtype, blocks):
         project(x, (w[0],), layer=0, interpret=True)
 
 
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(32, 128)])
+def test_a_group_of_weights_is_read_as_its_weights(blocks):
+    """Weights grouped in one stack [layers, n, in, out] (k's and v's: model.params.
+    grouped_kv) give what the same weights in stacks of their own give, beside a stack of
+    their shape in the same call; a group without a layer is refused."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    x, k, v, q, bk, bv, bq = _arrays(jnp.bfloat16, 6, (32, 128), (3, 128, 256), (3, 128, 256),
+                                     (3, 128, 256), (256,), (256,), (256,))
+    interpret = pltpu.InterpretParams(detect_races=True)
+    group = jnp.stack([k, v], axis=1)
+    run = jax.jit(lambda x, at, weights: project(x, weights, (bk, bv, bq), layer=at,
+                                                 blocks=blocks, interpret=interpret))
+    for layer in range(3):
+        at = jnp.int32(layer)
+        got, want = run(x, at, (group, q)), run(x, at, (k, v, q))
+        reference = project_reference(x, (group, q), (bk, bv, bq), layer=layer)
+        for g, w, r in zip(got, want, reference):
+            np.testing.assert_array_equal(_f32(g), _f32(w))
+            np.testing.assert_allclose(_f32(g), _f32(r), rtol=2 ** -7, atol=1e-2)
+    assert not interpret_pallas_call.races.races_found
+    with pytest.raises(ValueError, match=r"weights \[\(3, 2, 128, 256\)\].*layer None"):
+        project(x, (group,), interpret=True)
+    with pytest.raises(ValueError, match=r"biases \[\(256,\)\]"):
+        project(x, (group,), (bk,), layer=0, interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("head_dim, norm, blocks", [
     (128, True, None), (128, True, ProjectionBlocks(16, 256)), (64, False, None),
