@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
-from kernels.tpu_tiles import LANES, SUBLANES
+from kernels.tpu_tiles import LANES, SUBLANES, row_block
 
 _TOKENS_WHOLE_BYTES = 8 << 20  # x kept whole in VMEM: read once, the weights streamed
 _TOKEN_BLOCK_BYTES = 16 << 20  # else, with the weights streamed too, a step's block of x
@@ -27,6 +27,7 @@ _WEIGHTS_WHOLE_BYTES = 16 << 20  # else the weights kept whole: read once, the t
 _BLOCK_WEIGHT_BYTES = 4 << 20  # a step's weight blocks when the weights stream
 _PRODUCT_BYTES = 16 << 20  # a step's float32 products
 _MAX_ROWS = 512  # tokens a step when the tokens stream: the MXU's rate holds from 256
+_LEAST_ROWS = 2 * SUBLANES  # a bfloat16 tile's rows
 _MIN_COLUMN_STEPS = 4  # when the weights stream, so that their DMAs overlap the MXU's work
 _MIN_COLUMNS = 256  # the MXU's width: narrower blocks run it at half rate
 _VMEM_LIMIT_BYTES = 64 << 20  # the blocks above double-buffered, with the products
@@ -61,21 +62,12 @@ def projection_blocks(tokens: int, depth: int, width: int, weights: int,
         return ProjectionBlocks(tokens, columns(tokens, max(width // _MIN_COLUMN_STEPS,
                                                             _MIN_COLUMNS)))
     if weights * depth * width * itemsize <= _WEIGHTS_WHOLE_BYTES:
-        return ProjectionBlocks(_rows(tokens, lambda r: r <= _MAX_ROWS
-                                      and r * width * weights * 4 <= _PRODUCT_BYTES), width)
-    rows = _rows(tokens, lambda r: r * depth * itemsize <= _TOKEN_BLOCK_BYTES)
+        return ProjectionBlocks(row_block(tokens, lambda r: r <= _MAX_ROWS
+                                          and r * width * weights * 4 <= _PRODUCT_BYTES,
+                                          least=_LEAST_ROWS), width)
+    rows = row_block(tokens, lambda r: r * depth * itemsize <= _TOKEN_BLOCK_BYTES,
+                     least=_LEAST_ROWS)
     return ProjectionBlocks(rows, columns(rows, width))
-
-
-def _rows(tokens: int, fits) -> int:
-    """The largest power of two dividing `tokens` that `fits` (at least a bfloat16 tile's
-    rows), or all of them where no such power divides them."""
-    rows = tokens & -tokens
-    if rows < 2 * SUBLANES:
-        return tokens
-    while rows > 2 * SUBLANES and not fits(rows):
-        rows //= 2
-    return rows
 
 
 def _columns(width: int, fits) -> int:

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.rms_norm import rms_norm
-from kernels.tpu_tiles import LANES, SUBLANES
+from kernels.tpu_tiles import LANES, SUBLANES, row_block
 
 _BLOCK_BYTES = 1 << 20  # of q a grid step reads: blocks of both arrays, double-buffered, stay
 #                         well inside the default scoped VMEM
@@ -125,12 +125,7 @@ def _kernel(*refs, head_dim: int, eps: float, norm: bool):
 def rope_block_tokens(tokens: int, row_bytes: int) -> int:
     """The most tokens a step, a power of two dividing `tokens`, whose q block fits (all of
     them where no multiple of a tile's rows divides them)."""
-    block = tokens & -tokens
-    if block < SUBLANES:
-        return tokens
-    while block > SUBLANES and block * row_bytes > _BLOCK_BYTES:
-        block //= 2
-    return block
+    return row_block(tokens, lambda block: block * row_bytes <= _BLOCK_BYTES)
 
 
 def check_rope_shapes(q, k, cos, sin, head_dim: int) -> None:

@@ -5,6 +5,17 @@ LANES = 128
 SUBLANES = 8
 
 
+def row_block(rows: int, fits, least: int = SUBLANES) -> int:
+    """The largest power of two dividing `rows` that `fits` (at least `least`, a tile's
+    rows), or all of them where no power of two of at least `least` divides them."""
+    block = rows & -rows
+    if block < least:
+        return rows
+    while block > least and not fits(block):
+        block //= 2
+    return block
+
+
 def lane_aligned(n: int) -> int:
     """`n` rounded up to whole lane tiles."""
     return -(-n // LANES) * LANES

@@ -167,10 +167,8 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
         return kernel(x, weights, biases, layer=layer, rope=rope, name=call)
     if rope is not None:
         raise ValueError("RoPE needs whole products, not a row-split projection's")
-    sums = (all_reduce(y, shards)
-            for y in kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call))
-    return tuple((y + lp[b].astype(jnp.float32) if b in lp else y).astype(x.dtype)
-                 for y, (_, b) in zip(sums, pairs))
+    sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call)
+    return tuple(_finished(y, x.dtype, lp.get(b), shards) for y, (_, b) in zip(sums, pairs))
 
 
 def _call_weights(stacked: dict, names: tuple) -> tuple:

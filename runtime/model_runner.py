@@ -41,7 +41,7 @@ class ModelRunner:
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
         if backend in TPU_BACKENDS:
-            params = grouped_kv(params)  # the TPU kernels take the stacked weights
+            params = grouped_kv(params)  # stacked as the TPU kernels read them
         elif devices[0].platform == "cpu":
             params = per_layer_matrices(params)
         self.params = jax.device_put(params, param_placements(params, self.shards, self.mesh))
