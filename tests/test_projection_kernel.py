@@ -167,6 +167,33 @@ def test_rope_in_the_projection_is_the_norm_and_rope_kernels(dtype, head_dim, no
     assert not interpret_pallas_call.races.races_found
 
 
+def test_a_step_of_many_rows_is_computed_in_sub_blocks():
+    """A step of 1,536 rows is computed in three sub-blocks of 512 (so that one's epilogue
+    overlaps the next one's products): the same as steps of 512 rows, for q's norm and RoPE,
+    k's and v's group with biases, and gate and up; within tolerance of the references."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.rope_kernel import HeadRope, rope_lane_tables
+    x, kv, b, weight = _arrays(jnp.bfloat16, 8, (1536, 128), (2, 2, 128, 256), (256,),
+                               (128,))
+    cos, sin = rope_lane_tables(jnp.arange(1536) * 3, 128, 1e6)
+    rope = HeadRope(cos, sin, 1 + weight / 4, 128, 1e-6)
+    interpret = pltpu.InterpretParams(detect_races=True)
+
+    def both(rows):
+        blocks = ProjectionBlocks(rows, 128)
+        return (project(x, (kv,), (b, b), layer=1, rope=rope, blocks=blocks,
+                        interpret=interpret)
+                + (gated_up(x, kv[:, 0], kv[:, 1], layer=0, blocks=blocks,
+                            interpret=interpret),))
+
+    want = (project_reference(x, (kv,), (b, b), layer=1, rope=rope)
+            + (gated_up_reference(x, kv[:, 0], kv[:, 1], layer=0),))
+    for g, s, w in zip(both(1536), both(512), want):
+        np.testing.assert_array_equal(_f32(g), _f32(s))
+        np.testing.assert_allclose(_f32(g), _f32(w), rtol=2 ** -7, atol=2e-2)
+    assert not interpret_pallas_call.races.races_found
+
+
 def test_bad_rope_operands_are_refused():
     from kernels.rope_kernel import HeadRope, rope_lane_tables
     x, w, weight = _arrays(jnp.float32, 5, (32, 64), (64, 256), (128,))
