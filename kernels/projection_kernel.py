@@ -8,7 +8,9 @@ In the compiled v6e schedule XLA's dots at a layer's shapes run at 1.8-2.2x the 
 block of output features over the whole contraction, so no partial sum goes back and forth
 between steps: 1.09-1.17x in the same schedule. The blocks keep either the tokens or the
 weights whole in VMEM where they fit (`projection_blocks`), so each is read from HBM once,
-and the weights are read from the layer loop's stacks where they lie.
+and the weights are read from the layer loop's stacks where they lie. k's and v's products
+can go straight into their pages of the KV pool instead of out (`PageWrite`), a block of rows
+a page.
 """
 import dataclasses
 import functools
@@ -128,6 +130,7 @@ class _Layout:
     biased: bool
     gated: bool
     rope: tuple[int, float, bool] | None
+    paged: bool = False  # the products go to pages (PageWrite), not to outputs
 
     @property
     def weights(self) -> int:
@@ -141,18 +144,20 @@ class _Layout:
                 refs[n + biases + tables:])
 
 
-def _step(x_ref, *refs, layout: _Layout):
+def _step(x_ref, *refs, layout: _Layout, after=None):
     """One block of tokens times one block of each weight's columns, finished: the first
     product normed and rotated where the call has RoPE. The block's rows go through in
     sub-blocks of at most `_MAX_ROWS` (where a power of two divides them), one after another
     in the listing, so that the compiler overlaps one sub-block's vector epilogue with the
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
-    bundles to 6,914; docs/tpu_v6e.md)."""
+    bundles to 6,914; docs/tpu_v6e.md); `after(first_row, rows)` follows each sub-block."""
     w_refs, b_refs, rope_refs, out_refs = layout.split(refs)
     block = row_block(x_ref.shape[0], lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
         _sub_block(x_ref[rows, :], w_refs, b_refs, rope_refs, out_refs, rows, layout)
+        if after is not None:
+            after(start, block)
 
 
 def _sub_block(x, w_refs, b_refs, rope_refs, out_refs, rows, layout: _Layout):
@@ -165,7 +170,18 @@ def _sub_block(x, w_refs, b_refs, rope_refs, out_refs, rows, layout: _Layout):
         if i == 0 and layout.rope is not None:
             _store_rotated(out, y, *rope_refs, rows=rows, rope=layout.rope)
         else:
-            out[rows, :] = y
+            _store(out, rows, 0, y)
+
+
+def _store(out, rows, first_lane: int, y) -> None:
+    """y [rows, width] into `out` from lane `first_lane` on: an output block [rows, columns],
+    or a step's staging buffer for pages, heads apart [heads, rows, head_dim]."""
+    if out.ndim == 2:
+        out[rows, pl.ds(first_lane, y.shape[1])] = y
+        return
+    d = out.shape[-1]
+    for k in range(y.shape[1] // d):
+        out[first_lane // d + k, rows, :] = y[:, k * d:(k + 1) * d]
 
 
 def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, rope: tuple[int, float, bool]):
@@ -178,19 +194,23 @@ def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, rope: tuple[int, f
     for g in range(y.shape[-1] // group):
         x = norm_rope_lanes(y[:, g * group:(g + 1) * group].astype(jnp.float32), cos, sin,
                             weight, head_dim=head_dim, eps=eps)
-        out[rows, pl.ds(g * group, group)] = x.astype(out.dtype)
+        _store(out, rows, g * group, x.astype(out.dtype))
 
 
-def _kernel(layer_ref, x_ref, *refs, layout: _Layout):
+def _kernel(*refs, layout: _Layout):
     """The weights are read where they lie in the stack (XLA's slice of a layer out of a
     stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
     step before computes, or once where one block holds them all."""
+    layer_ref, block_pages = refs[0], refs[1] if layout.paged else None
+    x_ref, *refs = refs[1 + layout.paged:]
     w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
-    w_vmem, copied = rest[-2:]
-    step_refs = rest[:-2]
+    if layout.paged:  # then: the pools in (aliased), the pools out, the staging buffer
+        *step_refs, _, _, k_pages, v_pages, w_vmem, copied, staging, page_sems = rest
+    else:
+        *step_refs, w_vmem, copied = rest
     slots, columns = w_vmem.shape[0], w_vmem.shape[-1]
     j, blocks = pl.program_id(1), pl.num_programs(1)
-    step = pl.program_id(0) * blocks + j
+    step, steps = pl.program_id(0) * blocks + j, pl.num_programs(0) * blocks
 
     sources = [(w, i) for w, n in zip(w_hbm, layout.groups) for i in range(n)]
 
@@ -211,13 +231,59 @@ def _kernel(layer_ref, x_ref, *refs, layout: _Layout):
     if slots == 1:
         pl.when(step == 0)(lambda: wait(0, 0))
     else:
-        @pl.when(step + 1 < pl.num_programs(0) * blocks)
+        @pl.when(step + 1 < steps)
         def _():
             for c in copies((j + 1) % blocks, 1 - slot):
                 c.start()
         wait(j, slot)
-    _step(x_ref, *(w_vmem.at[slot, k] for k in range(layout.weights)), *step_refs,
-          layout=layout)
+    weights = [w_vmem.at[slot, k] for k in range(layout.weights)]
+    if not layout.paged:
+        _step(x_ref, *weights, *step_refs, layout=layout)
+        return
+    pages = _PageCopies(layer_ref[0], block_pages, staging, (k_pages, v_pages), page_sems,
+                        blocks)
+    pl.when(step >= 2)(lambda: pages.wait(step - 2))  # the staging slot's last copies
+    _step(x_ref, *weights, *step_refs, *pages.buffers(step), layout=layout,
+          after=functools.partial(pages.start, step))
+
+    @pl.when(step == steps - 1)
+    def _():
+        pl.when(step >= 1)(lambda: pages.wait(step - 1))
+        pages.wait(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PageCopies:
+    """A step's k and v, staged heads apart in VMEM ([2 slots, k and v, heads, rows, D]), each
+    block of page_size rows copied into its page as soon as its sub-block is stored (the
+    scalar work of the copies then overlaps the next sub-block's); a slot is reused two steps
+    later, after one wait for all of its copies (a copy of the slot's size on their
+    semaphore)."""
+    layer: jax.Array
+    block_pages: object  # SMEM [T / page_size]
+    staging: object
+    pools: tuple
+    sems: object
+    column_blocks: int
+
+    def buffers(self, step) -> list:
+        return [self.staging.at[step % 2, n] for n in range(2)]
+
+    def start(self, step, first_row: int, rows: int) -> None:
+        heads, step_rows, _ = self.staging.shape[2:]
+        page_size = self.pools[0].shape[3]
+        first = jax.lax.div(step, self.column_blocks) * (step_rows // page_size)
+        head = pl.ds(jax.lax.rem(step, self.column_blocks) * heads, heads)
+        for b in range(first_row // page_size, (first_row + rows) // page_size):
+            page = self.block_pages[first + b]
+            for n, pool in enumerate(self.pools):
+                pltpu.make_async_copy(
+                    self.staging.at[step % 2, n, :, pl.ds(b * page_size, page_size)],
+                    pool.at[self.layer, head, page], self.sems.at[step % 2]).start()
+
+    def wait(self, step) -> None:
+        slot = self.staging.at[step % 2]
+        pltpu.make_async_copy(slot, slot, self.sems.at[step % 2]).wait()
 
 
 def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
@@ -246,35 +312,47 @@ def _groups(weights: tuple, layer) -> tuple:
 
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
-          blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret):
+          blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
+          pages: "PageWrite | None" = None):
     check_projection_shapes(x, weights, biases, layer)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
     n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
-    blocks = blocks or projection_blocks(tokens, depth, width, n, x.dtype.itemsize)
+    blocks = blocks or (page_write_blocks(tokens, depth, width, x.dtype.itemsize,
+                                          pages.k_pages.shape[3]) if pages
+                        else projection_blocks(tokens, depth, width, n, x.dtype.itemsize))
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
     rope_operands = _rope_operands(rope, tokens, width, blocks, gated)
     outputs = 1 if gated else n
+    if pages is not None:
+        pages.check(tokens, width, outputs, blocks, out_dtype)
     slots = 1 if blocks.all_columns(width) else 2
     layout = _Layout(groups, bool(biases), gated,
-                     rope and (rope.head_dim, rope.eps, rope.norm is not None))
+                     rope and (rope.head_dim, rope.eps, rope.norm is not None),
+                     pages is not None)
+    scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
+        [] if pages is None else [pages.block_pages.astype(jnp.int32)])
+    operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands]
+    out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout),
         name=name,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(tokens // blocks.rows, width // blocks.columns),
-            in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, at: (i, 0))]
+            num_scalar_prefetch=len(scalars),
+            grid=(tokens // blocks.rows, width // blocks.columns),
+            in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, *_: (i, 0))]
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
-            + [pl.BlockSpec((1, blocks.columns), lambda i, j, at: (0, j))] * len(biases)
-            + _rope_specs(rope, blocks.rows),
-            out_specs=[pl.BlockSpec((blocks.rows, blocks.columns),
-                                    lambda i, j, at: (i, j))] * outputs,
+            + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
+            + _rope_specs(rope, blocks.rows) + out.in_specs(),
+            out_specs=out.specs(),
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
-                            pltpu.SemaphoreType.DMA((slots, n))]),
-        out_shape=[jax.ShapeDtypeStruct((tokens, width), out_dtype)] * outputs,
-        # sequential: a step copies in the next step's weights
+                            pltpu.SemaphoreType.DMA((slots, n))] + out.scratch()),
+        out_shape=out.shapes(),
+        input_output_aliases=out.aliases(len(scalars) + len(operands)),
+        # sequential: a step copies in the next step's weights (and writes the pages of the
+        # step before last)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=_VMEM_LIMIT_BYTES),
         cost_estimate=pl.CostEstimate(
@@ -285,16 +363,96 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 jnp.dtype(out_dtype).itemsize, blocks,
                 lane_group(rope.head_dim) if rope else 0)),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *stacks,
-      *(b.reshape(1, -1) for b in biases), *rope_operands)
+    )(*scalars, *operands, *out.operands())
+
+
+def page_write_blocks(tokens: int, depth: int, width: int, itemsize: int,
+                      page_size: int) -> ProjectionBlocks:
+    """Blocks of k's and v's projection into pages (PageWrite): a step takes every head, so
+    that a block of rows goes to its page in one copy for k and one for v, and at most
+    `_MAX_ROWS` rows (one sub-block, staged twice over), where k's and v's weights fit VMEM
+    whole; else the projection's own blocks."""
+    if 2 * depth * width * itemsize > _WEIGHTS_WHOLE_BYTES:
+        return projection_blocks(tokens, depth, width, 2, itemsize)
+    rows = row_block(tokens, lambda r: r <= _MAX_ROWS, least=page_size)
+    if rows % page_size:  # a page size that is not a power of two: whole pages, fewest steps
+        rows = max(r for r in range(page_size, max(_MAX_ROWS, page_size) + 1, page_size)
+                   if tokens % r == 0)
+    return ProjectionBlocks(rows, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageWrite:
+    """k's and v's products written into their pages of the KV pool instead of returned:
+    the pools [layers, Hkv, num_pages, page_size, D] (updated in place, at the call's layer)
+    and `block_pages` [T / page_size], the page each block of page_size rows of x fills. A
+    page's rows are one such block (each sequence's new tokens start on one:
+    runtime.batch_builder, page-aligned), so nothing moves between the projection's layout
+    and the pages'. Every block is copied: a padding block's page is one nobody reads (the
+    pool's last: model.decoder.kv_pool_shape)."""
+    k_pages: jax.Array
+    v_pages: jax.Array
+    block_pages: jax.Array
+
+    def check(self, tokens: int, width: int, outputs: int, blocks: ProjectionBlocks,
+              out_dtype) -> None:
+        _, heads, _, page_size, d = self.k_pages.shape
+        if (self.v_pages.shape != self.k_pages.shape or outputs != 2 or width != heads * d
+                or d % LANES or tokens % page_size or blocks.rows % page_size
+                or blocks.columns % d or self.block_pages.shape != (tokens // page_size,)
+                or self.k_pages.dtype != jnp.dtype(out_dtype)):
+            raise ValueError(
+                f"pages {self.k_pages.shape} and {self.v_pages.shape} ({self.k_pages.dtype}) "
+                f"take k and v [{tokens}, heads x D] of whole lane tiles ({outputs} outputs "
+                f"of {width} in {out_dtype}) in blocks of whole pages and heads ({blocks}), "
+                f"and block_pages [{tokens} / page_size], got {self.block_pages.shape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """A call's outputs: blocks of [T, width] products, or (with `pages`) the pools, with
+    their staging buffer and semaphores."""
+    pages: PageWrite | None
+    blocks: ProjectionBlocks
+    shape: tuple[int, int]
+    dtype: object
+    count: int
+
+    def in_specs(self) -> list:
+        return [] if self.pages is None else [pl.BlockSpec(memory_space=pl.ANY)] * 2
+
+    def specs(self) -> list:
+        if self.pages is None:
+            return [pl.BlockSpec((self.blocks.rows, self.blocks.columns),
+                                 lambda i, j, *_: (i, j))] * self.count
+        return [pl.BlockSpec(memory_space=pl.ANY)] * 2
+
+    def shapes(self) -> list:
+        if self.pages is None:
+            return [jax.ShapeDtypeStruct(self.shape, self.dtype)] * self.count
+        return [jax.ShapeDtypeStruct(p.shape, p.dtype)
+                for p in (self.pages.k_pages, self.pages.v_pages)]
+
+    def scratch(self) -> list:
+        if self.pages is None:
+            return []
+        d = self.pages.k_pages.shape[-1]
+        return [pltpu.VMEM((2, 2, self.blocks.columns // d, self.blocks.rows, d), self.dtype),
+                pltpu.SemaphoreType.DMA((2,))]
+
+    def operands(self) -> tuple:
+        return () if self.pages is None else (self.pages.k_pages, self.pages.v_pages)
+
+    def aliases(self, first: int) -> dict:
+        return {} if self.pages is None else {first: 0, first + 1: 1}
 
 
 def _rope_specs(rope: HeadRope | None, rows: int) -> list:
     """A block of the tables' rows a step (the tokens'), and the norm weight whole."""
     if rope is None:
         return []
-    table = pl.BlockSpec((rows, lane_group(rope.head_dim)), lambda i, j, at: (i, 0))
-    norm = pl.BlockSpec((1, rope.head_dim), lambda i, j, at: (0, 0))
+    table = pl.BlockSpec((rows, lane_group(rope.head_dim)), lambda i, j, *_: (i, 0))
+    norm = pl.BlockSpec((1, rope.head_dim), lambda i, j, *_: (0, 0))
     return [table, table] + ([norm] if rope.norm is not None else [])
 
 
@@ -312,16 +470,18 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 
 
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
-            rope: HeadRope | None = None, name: str = "project",
-            blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
+            rope: HeadRope | None = None, pages: PageWrite | None = None,
+            name: str = "project", blocks: ProjectionBlocks | None = None,
+            interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
     [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
     v's). With `rope`, the first product's heads (q, or k of k and v) are normed and rotated in
-    VMEM. `name`: the kernel's, one per call site (a study prices each)."""
+    VMEM. With `pages`, k's and v's products go into their pages: returns the pools (k, v).
+    `name`: the kernel's, one per call site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
-                       interpret=interpret))
+                       interpret=interpret, pages=pages))
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
@@ -341,20 +501,32 @@ def _at_layer(weights: tuple, layer) -> tuple:
 
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
-                      rope: HeadRope | None = None, name: str = "project", blocks=None,
-                      interpret=False) -> tuple:
+                      rope: HeadRope | None = None, pages: PageWrite | None = None,
+                      name: str = "project", blocks=None, interpret=False) -> tuple:
     """Plain JAX, the same contract: the model's XLA dots (and the norm and RoPE kernel's
-    reference)."""
+    reference), and the pages written block by block."""
     del name, blocks, interpret
     check_projection_shapes(x, tuple(weights), tuple(biases), layer)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer(tuple(weights), layer)]
     outs = _finish_each(products, list(biases) or [None] * len(products), out_dtype or x.dtype)
-    if rope is None:
-        return outs
-    rope.check(*outs[0].shape)
-    return (norm_rope_reference(outs[0], rope.cos, rope.sin, rope.norm,
-                                head_dim=rope.head_dim, eps=rope.eps),) + outs[1:]
+    if rope is not None:
+        rope.check(*outs[0].shape)
+        outs = (norm_rope_reference(outs[0], rope.cos, rope.sin, rope.norm,
+                                    head_dim=rope.head_dim, eps=rope.eps),) + outs[1:]
+    return outs if pages is None else _pages_reference(outs, pages, layer)
+
+
+def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:
+    """The pools with each block of rows written into its page (where several padding blocks
+    share a page, any one of them)."""
+    _, heads, _, page_size, d = pages.k_pages.shape
+    layer = 0 if layer is None else layer
+
+    def put(pool, y):
+        blocks = y.reshape(-1, page_size, heads, d).transpose(0, 2, 1, 3)
+        return pool.at[layer, :, pages.block_pages].set(blocks)
+    return put(pages.k_pages, outs[0]), put(pages.v_pages, outs[1])
 
 
 def gated_up_reference(x, w_gate, w_up, *, layer=None, name: str = "gate_up", blocks=None,

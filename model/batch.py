@@ -16,6 +16,9 @@ class ForwardBatch(NamedTuple):
     num_rows: jax.Array      # [] int32, the real rows (the rest are padding)
     num_labels: jax.Array    # [] int32, the most real label ids of a row (the rest are padding)
     with_logsumexp: jax.Array  # [] bool, also the full-vocabulary logsumexp of each row
+    block_pages: jax.Array | None = None  # [T // page_size] int32: where each sequence's new
+    #   tokens start on a block of page_size tokens (page-aligned, runtime.batch_builder), the
+    #   page each block fills, -1 for padding; None where they are packed without gaps
 
 
 def pack(batch: ForwardBatch) -> np.ndarray:
@@ -37,5 +40,5 @@ def unpack(packed: jax.Array, like: ForwardBatch) -> ForwardBatch:
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [layers, Hkv, num_pages, page_size, D]
+    k: jax.Array  # [layers, Hkv, pages, page_size, D] (model.decoder.kv_pool_shape)
     v: jax.Array

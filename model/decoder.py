@@ -8,7 +8,7 @@ FEATURE_MAJOR_MAX_TOKENS tokens, which keep them feature-major, [features, token
 the dots (docs/performance_cpu.md, "Forward per bucket").
 """
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
-from kernels.projection_kernel import projection_kernel_applies, silu
+from kernels.projection_kernel import PageWrite, projection_kernel_applies, silu
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, rope_angles, rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
@@ -117,12 +117,14 @@ def _finished(y, dtype, bias=None, shards: ShardPlan | None = None,
     return y.astype(dtype)
 
 
-Project = Callable  # (x, pairs, call, shards=None, rope=None) -> x @ each (weight, bias)
-#                      pair's weight (+ its bias, where the model has it) in x's dtype; with
-#                      `shards` the weights are split by rows and the partial sums
-#                      all-reduced. `call` names a kernel call (one for all the pairs).
-#                      `rope` (kernels.rope_kernel.HeadRope, the kernel's only): the first
-#                      product's heads normed and rotated in the kernel.
+Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None) -> x @ each
+#                      (weight, bias) pair's weight (+ its bias, where the model has it) in
+#                      x's dtype; with `shards` the weights are split by rows and the partial
+#                      sums all-reduced. `call` names a kernel call (one for all the pairs).
+#                      `rope` (kernels.rope_kernel.HeadRope) and `pages`
+#                      (kernels.projection_kernel.PageWrite: the pools, k's and v's products
+#                      written into them), the kernel's only: the first product's heads
+#                      normed and rotated in the kernel.
 
 
 def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
@@ -158,11 +160,14 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
-                        shards=None, rope=None):
+                        shards=None, rope=None, pages: PageWrite | None = None):
     """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots);
-    RoPE takes whole products (q's and k's projections are split by columns, not rows)."""
+    RoPE and pages take whole products (q's, k's and v's projections are split by columns,
+    not rows)."""
     weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
+    if pages is not None:
+        return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, name=call)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, name=call)
     if rope is not None:
@@ -178,14 +183,21 @@ def _call_weights(stacked: dict, names: tuple) -> tuple:
     return tuple(stacked[n] for n in names)
 
 
+def _head_ropes(cfg: ModelConfig, kernels: KernelSet, lp: dict, cos, sin) -> tuple:
+    """q's and k's norm and RoPE for their projection kernels (None, None: not there)."""
+    if kernels.rope is None or kernels.project is None:
+        return None, None
+    norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
+    return tuple(HeadRope(cos, sin, n, cfg.head_dim, cfg.rms_norm_eps) for n in norms)
+
+
 def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, cos, sin):
     """q, k, v token-major [T, heads, D] (this shard's heads). q's and k's norm and RoPE: in
     the projection kernels where the backend has them and the norm and RoPE kernel, else in
     that kernel (both on the projections' layout, with `rope_lane_tables`), else XLA's ops."""
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
-    in_projections = kernels.rope is not None and kernels.project is not None
-    q_rope, k_rope = ((HeadRope(cos, sin, n, cfg.head_dim, cfg.rms_norm_eps) for n in norms)
-                      if in_projections else (None, None))
+    q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
+    in_projections = q_rope is not None
     q_call, kv_call = ROTATED_PROJECTIONS
     (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope)
     k, v = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope)
@@ -199,6 +211,18 @@ def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, co
             k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return q, k, v
+
+
+def _q_and_kv_pages(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h,
+                    cos, sin, cache: KVCache, blocks: "_BlockPages"):
+    """q [T, heads, D], and the pools with k's and v's products written into their pages by
+    their projection (normed and rotated there too): no k or v array, no gather."""
+    q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
+    q_call, kv_call = ROTATED_PROJECTIONS
+    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope)
+    k_pages, v_pages = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope,
+                               pages=PageWrite(cache.k, cache.v, blocks.ids))
+    return q.reshape(h.shape[0], -1, cfg.head_dim), k_pages, v_pages
 
 
 def _qkv_feature_major(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
@@ -267,13 +291,18 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     project = _layer_projections(kernels, lp, stacked, layer, dot, feature_major)
     with jax.named_scope("qkv"):
         h = _norm(cfg, x, lp["attn_norm"], feature_major)
-        q, k, v = (_qkv_feature_major(cfg, lp, dot, h, cos, sin) if feature_major
-                   else _qkv(cfg, kernels, project, lp, h, cos, sin))
-        q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
-    with jax.named_scope("kv_write"):
-        page_ids, page_tokens = written
-        blocks = (page_blocks(new, page_tokens) for new in (k, v))
-        k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks, page_ids)
+        if isinstance(written, _BlockPages):
+            q, k_pages, v_pages = _q_and_kv_pages(cfg, kernels, project, lp, h, cos, sin,
+                                                  cache, written)
+        else:
+            q, k, v = (_qkv_feature_major(cfg, lp, dot, h, cos, sin) if feature_major
+                       else _qkv(cfg, kernels, project, lp, h, cos, sin))
+            q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
+    if not isinstance(written, _BlockPages):
+        with jax.named_scope("kv_write"):
+            blocks = (page_blocks(new, written.page_tokens) for new in (k, v))
+            k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks,
+                                             written.page_ids)
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
         attn = attn.reshape(attn.shape[0], -1)
@@ -308,7 +337,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
         rope_tables, feature_major=feature_major)
     cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     with jax.named_scope("written_pages"):
-        written = written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2])
+        written = _written(cfg, kernels, batch, cache)
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
                                                       written, cos, sin, matrices, stacked,
                                                       feature_major))
@@ -316,6 +345,31 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     carry = (x.T if feature_major else x, cache)
     (x, cache), _ = jax.lax.scan(body, carry, (layer_params, layers))
     return (x.T if feature_major else x), cache
+
+
+class _TokenPages(NamedTuple):
+    """The pages new tokens fill and the token of each of their rows (written_pages): the
+    layers gather K and V into whole pages and write those."""
+    page_ids: jax.Array
+    page_tokens: jax.Array
+
+
+class _BlockPages(NamedTuple):
+    """The page each block of page_size tokens fills, a padding block's the pool's last page
+    (a page-aligned batch): the k and v projection writes the pages itself."""
+    ids: jax.Array
+
+
+def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: KVCache):
+    """Where the layers' new K and V go: by blocks of tokens where the batch is page-aligned
+    (in whole pages) and k's and v's projection kernel takes their heads whole (with k's norm
+    and RoPE, and the pool's head dim theirs), else by tokens."""
+    if (batch.block_pages is not None and kernels.project is not None
+            and kernels.rope is not None and cache.k.shape[-1] == cfg.head_dim
+            and batch.tokens.shape[0] % cache.k.shape[3] == 0):
+        sink = cache.k.shape[2] - 1
+        return _BlockPages(jnp.where(batch.block_pages >= 0, batch.block_pages, sink))
+    return _TokenPages(*written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2]))
 
 
 def model_kernels(cfg: ModelConfig, backend: str, max_q_len: int,
@@ -368,8 +422,10 @@ def pool_head_dim(cfg: ModelConfig, backend: str) -> int:
 
 def kv_pool_shape(cfg: ModelConfig, num_pages: int, page_size: int, backend: str,
                   kv_repeat: int = 1) -> tuple[int, ...]:
-    """[layers, Hkv x kv_repeat, num_pages, page_size, pool_head_dim]."""
-    return (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages, page_size,
+    """[layers, Hkv x kv_repeat, num_pages + 1, page_size, pool_head_dim]: `num_pages` to
+    hand out, and a last one that takes the K/V of a page-aligned batch's padding blocks
+    (the TPU's k and v projection copies every block of tokens into a page)."""
+    return (cfg.num_layers, cfg.num_kv_heads * kv_repeat, num_pages + 1, page_size,
             pool_head_dim(cfg, backend))
 
 

@@ -76,11 +76,16 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
-    """Sequences of SGLang's shape totalling at most `tokens` tokens."""
+def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng, page: int = 1) -> list:
+    """Sequences of SGLang's shape totalling at most `tokens` tokens, each counted in whole
+    `page`s (a page-aligned batch's: runtime.buckets)."""
     seqs, left, rows = [], tokens, 0
     while left > 1 and len(seqs) < max_seqs:
         length = min(left, QUERY + ITEMS * ITEM)
+        if pages_needed(length, page) * page > left:
+            length = left // page * page
+        if length < 2:
+            break
         query = min(QUERY, length - 1)
         rest = length - query
         n_items = min(-(-rest // ITEM), max_rows - rows)
@@ -89,15 +94,16 @@ def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng) -> list:
         sizes = [ITEM] * (n_items - 1) + [rest - ITEM * (n_items - 1)]
         ids = lambda n: rng.integers(0, vocab, n).tolist()  # noqa: E731
         seqs.append(multi_item_sequence(ids(query), [ids(n) for n in sizes]))
-        left, rows = left - length, rows + n_items
+        left, rows = left - pages_needed(length, page) * page, rows + n_items
     return seqs
 
 
 def filled_batch(engine_cfg: EngineConfig, vocab: int, rng) -> tuple[list, list]:
-    """`fill`'s sequences for one forward of `engine_cfg`'s budget, on pages (`paged`), and
-    their rows' labels (LABELS of them, the same for every row)."""
+    """`fill`'s sequences for one forward of `engine_cfg`'s budget as a TPU server batches
+    them (each sequence's tokens in whole pages), on pages (`paged`), and their rows' labels
+    (LABELS of them, the same for every row)."""
     seqs = fill(engine_cfg.max_prefill_tokens, engine_cfg.max_seqs, engine_cfg.max_rows, vocab,
-                rng)
+                rng, engine_cfg.page_size)
     labels = [rng.integers(0, vocab, LABELS).tolist()] * sum(len(s.score_rows) for s in seqs)
     return paged(seqs, engine_cfg.page_size), labels
 
@@ -115,11 +121,13 @@ def paged(seqs: list, page_size: int) -> list[ScheduledSeq]:
 def schedule(engine: Engine, bucket: int, rng):
     """What the scheduler hands build_batch for a full `bucket`: entries, labels, shape."""
     buckets = engine.runner.buckets
-    seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng)
+    seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng,
+                buckets.page_size if buckets.page_aligned else 1)
     entries = paged(seqs, buckets.page_size)
     rows = sum(len(s.score_rows) for s in seqs)
     labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
-    shape = buckets.shape(sum(len(s.tokens) for s in seqs), rows, len(seqs))
+    shape = buckets.shape(sum(buckets.padded_tokens(len(s.tokens)) for s in seqs), rows,
+                          len(seqs))
     return entries, labels, shape
 
 
@@ -138,7 +146,8 @@ def bucket_batch(engine: Engine, bucket: int, with_lse: bool):
     runner = engine.runner
     entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
     return entries, labels, shape, build_batch(entries, labels, shape,
-                                               runner.buckets.page_size, with_lse)
+                                               runner.buckets.page_size, with_lse,
+                                               runner.buckets.page_aligned)
 
 
 def layer_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -201,8 +210,9 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, p
 def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
     """Median wall time of build_batch: the batch's arrays, padded, on the host (the program
     derives its attention plan and written pages from them on the devices)."""
-    return wall_time(build_batch, (entries, labels, shape, engine.runner.buckets.page_size),
-                     repeats)
+    buckets = engine.runner.buckets
+    return wall_time(build_batch, (entries, labels, shape, buckets.page_size, False,
+                                   buckets.page_aligned), repeats)
 
 
 def time_split(engine: Engine, batch, shape, repeats: int, trace_dir: str | None) -> dict:

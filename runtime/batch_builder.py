@@ -1,6 +1,9 @@
 """Host-side assembly of a ForwardBatch from scheduled sequences, padded to a BatchShape.
 
-Padding sequences have no tokens and no KV, padding rows and labels are ignored. A sequence's
+Padding sequences have no tokens and no KV, padding rows and labels are ignored. In a
+page-aligned batch (the TPU backends: runtime.buckets) each sequence's new tokens are padded
+to whole pages, by tokens that see the shared ones and themselves, and the batch says which
+page each block of page_size tokens fills (the k and v projection writes it). A sequence's
 first `cached` tokens, whole pages, already have K/V in its pages (a prefix-cache hit): only
 the rest are computed, and their K/V fill the following pages whole. The host sends tokens
 and a few numbers a sequence; the program derives the rest from them (the attention plan,
@@ -61,39 +64,69 @@ def _rows(lists, n_rows: int, width: int) -> np.ndarray:
     return out
 
 
-def _new(entries: list[ScheduledSeq], field: str) -> np.ndarray:
-    """A per-token field of the sequences' new tokens, packed."""
-    return _joined([getattr(e.seq, field)[e.cached:] for e in entries])
+def _new(entries: list[ScheduledSeq], field: str, pads: list[np.ndarray] | None) -> np.ndarray:
+    """A per-token field of the sequences' new tokens, each followed by its padding (if any),
+    packed."""
+    if pads is None:
+        return _joined([getattr(e.seq, field)[e.cached:] for e in entries])
+    return _joined([part for e, pad in zip(entries, pads)
+                    for part in (getattr(e.seq, field)[e.cached:], pad)])
 
 
-def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int):
+def _padding(entries: list[ScheduledSeq], page_size: int) -> list[np.ndarray]:
+    """The KV positions of each sequence's padding tokens, up to a whole page: a padding
+    token sees the shared tokens and itself, as a one-token item would."""
+    return [np.arange(len(e.seq.tokens), len(e.seq.tokens) + -e.new_tokens % page_size,
+                      dtype=np.int32) for e in entries]
+
+
+def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
+               pads: list | None):
     partial = [e.cached for e in entries if e.cached % page_size]
     if partial:
         raise ValueError(f"{partial[0]} cached tokens are not whole pages of {page_size}")
-    lens = np.fromiter((e.new_tokens for e in entries), np.int32, len(entries))
+    extra = [0] * len(entries) if pads is None else [len(p) for p in pads]
+    lens = np.fromiter((e.new_tokens + n for e, n in zip(entries, extra)), np.int32,
+                       len(entries))
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     md = AttentionMetadata(
         cu_q_lens=_pad(offsets, shape.seqs + 1, fill=int(offsets[-1])),
-        kv_lens=_pad([len(e.seq.tokens) for e in entries], shape.seqs),
+        kv_lens=_pad([e.cached + n for e, n in zip(entries, lens.tolist())], shape.seqs),
         page_indices=_rows([e.pages for e in entries], shape.seqs, shape.pages_per_seq),
         shared_lens=_pad([e.seq.shared_len for e in entries], shape.seqs),
-        visible_from=_pad(_new(entries, "visible_from"), shape.tokens))
+        visible_from=_pad(_new(entries, "visible_from", pads), shape.tokens))
     return md, offsets
 
 
+def _block_pages(entries: list[ScheduledSeq], shape: BatchShape, page_size: int, pads: list):
+    """The page each block of page_size tokens of a page-aligned batch fills, -1 after the
+    last sequence."""
+    pages = [e.pages[e.cached // page_size:][:(e.new_tokens + len(p)) // page_size]
+             for e, p in zip(entries, pads)]
+    return _pad(_flat(pages), shape.tokens // page_size, fill=-1)
+
+
 def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape: BatchShape,
-                page_size: int, with_logsumexp: bool = False) -> ForwardBatch:
-    attention, offsets = _attention(entries, shape, page_size)
+                page_size: int, with_logsumexp: bool = False,
+                page_aligned: bool = False) -> ForwardBatch:
+    """`page_aligned`: each sequence's new tokens padded to whole pages (runtime.buckets),
+    and the batch says which page each block of tokens fills."""
+    pads = _padding(entries, page_size) if page_aligned else None
+    attention, offsets = _attention(entries, shape, page_size, pads)
     rows = _joined([e.seq.score_rows + (o - e.cached) for o, e in zip(offsets.tolist(),
                                                                        entries)])
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
     return ForwardBatch(
-        tokens=_pad(_new(entries, "tokens"), shape.tokens),
-        positions=_pad(_new(entries, "positions"), shape.tokens),
+        tokens=_pad(_new(entries, "tokens",
+                         None if pads is None else [np.zeros_like(p) for p in pads]),
+                    shape.tokens),
+        positions=_pad(_new(entries, "positions", pads), shape.tokens),
         attention=attention,
         score_rows=_pad(rows, shape.rows),
         label_ids=_rows(row_labels, shape.rows, shape.labels),
         num_rows=np.int32(len(rows)),
         num_labels=np.int32(max(map(len, row_labels), default=0)),
-        with_logsumexp=np.bool_(with_logsumexp))
+        with_logsumexp=np.bool_(with_logsumexp),
+        block_pages=(_block_pages(entries, shape, page_size, pads) if page_aligned
+                     else None))

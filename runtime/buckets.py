@@ -34,6 +34,20 @@ class ShapeBuckets:
     max_kv_len: int     # KV positions of one sequence (cached + new)
     page_size: int
     sizes: BlockSizes | None = None  # attention blocks, when the backend walks a plan
+    page_aligned: bool = False  # each sequence's new tokens start on a page boundary of the
+    #                             batch, padded to whole pages (runtime.batch_builder): the
+    #                             TPU's k and v projection writes whole blocks of tokens
+
+    def padded_tokens(self, new_tokens: int) -> int:
+        """What a sequence's new tokens take of a batch."""
+        if not self.page_aligned:
+            return new_tokens
+        return pages_needed(new_tokens, self.page_size) * self.page_size
+
+    @property
+    def token_budget(self) -> int:
+        """The most a batch's sequences take: max_tokens of them, padded."""
+        return self.padded_tokens(self.max_tokens)
 
     def token_sizes(self) -> tuple[int, ...]:
         """16, 24, 32, 48, ..., 192: powers of two and the halves between them; from
@@ -41,16 +55,17 @@ class ShapeBuckets:
         fifth of a forward where its time follows its tokens, a third below, where fixed costs
         dominate and each bucket more is a program more to compile."""
         sizes, size = [], MIN_TOKENS
-        while not sizes or sizes[-1] < self.max_tokens:
+        while not sizes or sizes[-1] < self.token_budget:
             steps = 4 if size >= FINE_TOKENS else 2
             sizes += [size + size * k // steps for k in range(steps)]
             size *= 2
-        return tuple(s for s in sizes if s < self.max_tokens) + (
-            next(s for s in sizes if s >= self.max_tokens),)
+        return tuple(s for s in sizes if s < self.token_budget) + (
+            next(s for s in sizes if s >= self.token_budget),)
 
     def shape(self, n_tokens: int, n_rows: int = 0, n_seqs: int = 0) -> BatchShape:
-        """The bucket of a batch; empty items make rows outnumber tokens, hence the max."""
-        if n_tokens > self.max_tokens or n_rows > self.max_rows or n_seqs > self.max_seqs:
+        """The bucket of a batch of `n_tokens` (padded) tokens; empty items make rows
+        outnumber tokens, hence the max."""
+        if n_tokens > self.token_budget or n_rows > self.max_rows or n_seqs > self.max_seqs:
             raise ValueError(f"a batch of {n_tokens} tokens, {n_rows} rows and {n_seqs} "
                              f"sequences exceeds the budgets {self}")
         need = max(n_tokens, n_rows, n_seqs)
@@ -60,4 +75,4 @@ class ShapeBuckets:
         return BatchShape(tokens, seqs, pages, rows, self.max_labels)
 
     def all_shapes(self) -> list[BatchShape]:
-        return [self.shape(min(t, self.max_tokens)) for t in self.token_sizes()]
+        return [self.shape(min(t, self.token_budget)) for t in self.token_sizes()]

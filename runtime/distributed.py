@@ -52,7 +52,7 @@ class StepChannel:
     def __init__(self, buckets: ShapeBuckets):
         self.shapes = buckets.all_shapes()
         self._empty = {}  # shape -> the padded batch the other nodes receive into
-        self._page_size = buckets.page_size
+        self._buckets = buckets
 
     def publish(self, shape: BatchShape, packed: np.ndarray) -> None:
         """`packed`: the batch, model.batch.pack'ed: one broadcast, not one an array."""
@@ -69,7 +69,8 @@ class StepChannel:
             return None
         shape = self.shapes[index]
         if shape not in self._empty:
-            self._empty[shape] = build_batch([], [], shape, self._page_size)
+            self._empty[shape] = build_batch([], [], shape, self._buckets.page_size,
+                                             page_aligned=self._buckets.page_aligned)
         empty = self._empty[shape]
         return shape, unpack(multihost_utils.broadcast_one_to_all(pack(empty)), empty)
 

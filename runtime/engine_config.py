@@ -2,7 +2,7 @@
 import dataclasses
 
 from kernels.attention_plan import BlockSizes, default_block_sizes
-from kernels.backends import KERNEL_BACKENDS
+from kernels.backends import KERNEL_BACKENDS, TPU_BACKENDS
 from model.config import ModelConfig
 from model.loader import DTYPES, checkpoint_dtype
 from runtime.buckets import ShapeBuckets, pages_needed
@@ -94,7 +94,8 @@ class EngineConfig:
     def buckets(self, cfg: ModelConfig, device) -> ShapeBuckets:
         labels = cfg.num_labels if cfg.is_classifier else self.max_labels
         return ShapeBuckets(self.max_prefill_tokens, self.max_seqs, self.max_rows, labels,
-                            self.max_prompt_tokens(cfg), self.page_size, self.block_sizes(device))
+                            self.max_prompt_tokens(cfg), self.page_size, self.block_sizes(device),
+                            page_aligned=self.backend(device) in TPU_BACKENDS)
 
     def max_prompt_tokens(self, cfg: ModelConfig) -> int:
         return min(cfg.max_context, self.max_prefill_tokens)

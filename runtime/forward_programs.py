@@ -110,7 +110,8 @@ class ForwardPrograms:
 
     @property
     def num_pages(self) -> int:
-        return self._cache.k.shape[2]
+        """Pages to hand out: the pool's last takes padding (model.decoder.kv_pool_shape)."""
+        return self._cache.k.shape[2] - 1
 
     @property
     def pool_bytes(self) -> int:
@@ -124,7 +125,8 @@ class ForwardPrograms:
             score_forward, cfg=self.cfg, max_q_len=shape.tokens, backend=self.backend,
             sizes=self.buckets.sizes, shards=self.shards, kernels=kernels)
         sharded = shard_forward(forward, self.mesh, self._params, self.shards)
-        like = build_batch([], [], shape, self.buckets.page_size)
+        like = build_batch([], [], shape, self.buckets.page_size,
+                           page_aligned=self.buckets.page_aligned)
 
         def packed_forward(params, cache, packed):
             return sharded(params, cache, unpack(packed, like))

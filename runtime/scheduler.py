@@ -148,7 +148,7 @@ class Scheduler:
             n_rows = len(unit.seq.score_rows)
             entry = None
             if rows + n_rows <= self.buckets.max_rows:
-                entry = self._reserve(unit.seq, self.buckets.max_tokens - tokens)
+                entry = self._reserve(unit.seq, self.buckets.token_budget - tokens)
             if entry is None:
                 if not batch and not self._in_flight:  # cannot happen with a pool sized by
                     self._waiting.drop(unit.job)       # EngineConfig
@@ -157,7 +157,8 @@ class Scheduler:
                 break
             self._waiting.take(unit)
             batch.append((unit, entry))
-            tokens, rows = tokens + entry.new_tokens, rows + n_rows
+            tokens = tokens + self.buckets.padded_tokens(entry.new_tokens)
+            rows += n_rows
         self._waiting.forward_formed()
         if not batch:
             return None
@@ -168,12 +169,14 @@ class Scheduler:
         return forward
 
     def _reserve(self, seq, token_budget: int) -> ScheduledSeq | None:
-        """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it."""
+        """Pages for `seq` (cached prefix + new), or None if the budgets cannot take it (its
+        new tokens padded as the batch pads them)."""
         size, shareable = self.buckets.page_size, seq.cacheable
         reusable = min(seq.first_row, shareable) // size
         cached = self.prefix_cache.match(seq.tokens, reusable) if self.prefix_cache else []
         new = pages_needed(len(seq.tokens), size) - len(cached)
-        if len(seq.tokens) - len(cached) * size > token_budget or not self._make_room(new):
+        padded = self.buckets.padded_tokens(len(seq.tokens) - len(cached) * size)
+        if padded > token_budget or not self._make_room(new):
             self.pool.release(cached)
             return None
         pages = cached + self.pool.allocate(new)
@@ -192,11 +195,12 @@ class Scheduler:
         labels = [u.job.labels for u, _ in forward.batch for _ in u.items]
         entries = forward.entries
         try:
-            forward.shape = self.buckets.shape(sum(e.new_tokens for e in entries), len(labels),
-                                               len(entries))
+            tokens = sum(self.buckets.padded_tokens(e.new_tokens) for e in entries)
+            forward.shape = self.buckets.shape(tokens, len(labels), len(entries))
             with jax.profiler.TraceAnnotation("build_batch"):
                 batch = build_batch(entries, labels, forward.shape, self.buckets.page_size,
-                                    any(u.job.with_lse for u, _ in forward.batch))
+                                    any(u.job.with_lse for u, _ in forward.batch),
+                                    page_aligned=self.buckets.page_aligned)
             with jax.profiler.TraceAnnotation("dispatch"):
                 forward.pending = self.runner.dispatch(batch, forward.shape)
         except Exception as e:  # this forward fails; the runtime goes on

@@ -1,5 +1,7 @@
 """Padded batches: the token buckets, the whole pages new K/V fill (derived in the program
 from the batch's metadata), and the real counts the kernels loop over."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -64,6 +66,37 @@ def test_every_new_token_lands_in_its_page_row(seed):
     real = page_ids[page_ids < NUM_PAGES * 4]
     assert set(real.tolist()) == {e.pages[p] for e in entries for p in range(
         e.cached // PAGE, pages_needed(len(e.seq.tokens), PAGE))}
+
+
+def test_a_page_aligned_batch_pads_each_sequence_to_whole_pages():
+    """Page-aligned (the TPU backends): each sequence's new tokens start on a page boundary
+    of the batch and are padded to whole pages by tokens that see the shared ones and
+    themselves; the batch names the page each block of tokens fills (-1 after the last
+    sequence), the pages the same that written_pages finds; the scored rows move with their
+    tokens, and budgets and buckets count the padding."""
+    buckets = dataclasses.replace(BUCKETS, page_aligned=True)
+    query = multi_item_sequence(list(range(20)), [[1, 2], [3, 4, 5]])  # 25 tokens
+    entries = [ScheduledSeq(query, [7, 3, 9, 12], cached=16),  # 9 new tokens: 2 pages
+               ScheduledSeq(causal_sequence([5] * 5), [30])]   # 5: 1 page
+    assert [buckets.padded_tokens(e.new_tokens) for e in entries] == [16, 8]
+    assert (BUCKETS.padded_tokens(9), buckets.token_budget) == (9, 64)
+    shape = buckets.shape(16 + 8, 3, 2)
+    batch = build_batch(entries, [[1, 2], [3], [4, 5, 6]], shape, PAGE, page_aligned=True)
+    md = batch.attention
+    assert list(md.cu_q_lens[:3]) == [0, 16, 24] and list(md.kv_lens[:2]) == [32, 8]
+    assert list(batch.block_pages) == [9, 12, 30] + [-1] * (shape.tokens // PAGE - 3)
+    np.testing.assert_array_equal(batch.tokens[:24], list(query.tokens[16:]) + [0] * 7
+                                  + [5] * 5 + [0] * 3)
+    np.testing.assert_array_equal(md.visible_from[9:16], range(25, 32))  # each sees itself
+    np.testing.assert_array_equal(batch.positions[9:16], range(25, 32))
+    assert list(batch.score_rows[:3]) == [21 - 16, 24 - 16, 16 + 4]
+    page_ids = np.asarray(written_pages(md, PAGE, NUM_PAGES)[0])
+    assert list(page_ids[page_ids < NUM_PAGES]) == [9, 12, 30]
+    unaligned = build_batch(entries, [[1, 2], [3], [4, 5, 6]], shape, PAGE)
+    assert unaligned.block_pages is None and list(unaligned.attention.cu_q_lens[:3]) == [
+        0, 9, 14]
+    with pytest.raises(ValueError, match="exceeds the budgets"):
+        buckets.shape(buckets.token_budget + 1)
 
 
 def test_cached_tokens_must_be_whole_pages():

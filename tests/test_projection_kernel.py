@@ -194,6 +194,44 @@ def test_a_step_of_many_rows_is_computed_in_sub_blocks():
     assert not interpret_pallas_call.races.races_found
 
 
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128),
+                                    ProjectionBlocks(32, 256), ProjectionBlocks(64, 128)])
+def test_k_and_v_go_into_their_pages(blocks):
+    """With pages, k's and v's products (k normed and rotated, biases, their weights one
+    group read at a traced layer) go into the page of their block of rows, each step's copies
+    in flight while the next steps compute (race detection): each page as the reference
+    writes it, and every other page and layer as it was; a padding block's page (the pool's
+    last) takes it and nothing else does."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.projection_kernel import PageWrite
+    from kernels.rope_kernel import HeadRope, rope_lane_tables
+    x, kv, b, weight, k_pool, v_pool = _arrays(
+        jnp.bfloat16, 9, (64, 256), (3, 2, 256, 256), (256,), (128,), (3, 2, 9, 16, 128),
+        (3, 2, 9, 16, 128))
+    cos, sin = rope_lane_tables(jnp.arange(64) * 5, 128, 1e6)
+    rope = HeadRope(cos, sin, 1 + weight / 4, 128, 1e-6)
+    pages = PageWrite(k_pool, v_pool, jnp.asarray([5, 2, 7, 8], jnp.int32))  # 8: padding
+    interpret = pltpu.InterpretParams(detect_races=True)
+    got = jax.jit(lambda x, at: project(x, (kv,), (b, b), layer=at, rope=rope, pages=pages,
+                                        blocks=blocks, interpret=interpret))(x, jnp.int32(1))
+    want = project_reference(x, (kv,), (b, b), layer=1, rope=rope, pages=pages)
+    written = [5, 2, 7]
+    for g, w, pool in zip(got, want, (k_pool, v_pool)):
+        np.testing.assert_allclose(_f32(g[1, :, written]), _f32(w[1, :, written]),
+                                   rtol=2 ** -7, atol=2e-2)
+        kept = [p for p in range(8) if p not in written]
+        np.testing.assert_array_equal(_f32(g[1, :, kept]), _f32(pool[1, :, kept]))
+        for layer in (0, 2):
+            np.testing.assert_array_equal(_f32(g[layer]), _f32(pool[layer]))
+    assert not interpret_pallas_call.races.races_found
+    with pytest.raises(ValueError, match=r"block_pages \[64 / page_size\], got \(3,\)"):
+        project(x, (kv,), pages=PageWrite(k_pool, v_pool, jnp.zeros(3, jnp.int32)),
+                layer=0, interpret=True)
+    with pytest.raises(ValueError, match="whole pages and heads"):
+        project(x, (kv,), pages=pages, layer=0, blocks=ProjectionBlocks(8, 128),
+                interpret=True)
+
+
 def test_bad_rope_operands_are_refused():
     from kernels.rope_kernel import HeadRope, rope_lane_tables
     x, w, weight = _arrays(jnp.float32, 5, (32, 64), (64, 256), (128,))

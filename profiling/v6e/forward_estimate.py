@@ -9,6 +9,7 @@ import numpy as np
 
 from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
+from kernels.projection_kernel import page_write_blocks
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -53,8 +54,10 @@ def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
     """The batch of `entries` as a v6e server with `engine_cfg` builds it, its shape bucket
     and its block sizes."""
     buckets = engine_cfg.buckets(cfg, v6e_devices(1)[0])
-    shape = buckets.shape(sum(e.new_tokens for e in entries), len(labels), len(entries))
-    return shape, build_batch(entries, labels, shape, buckets.page_size), buckets.sizes
+    shape = buckets.shape(sum(buckets.padded_tokens(e.new_tokens) for e in entries),
+                          len(labels), len(entries))
+    return shape, build_batch(entries, labels, shape, buckets.page_size,
+                              page_aligned=buckets.page_aligned), buckets.sizes
 
 
 def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels,
@@ -72,7 +75,8 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
     kernels = _kernel_estimates(cfg, shape, batch, sizes, engine_cfg.page_size,
                                 result["kernels"], labels, with_lse)
     priced = {"ragged_paged_attention": kernels["attention"]["v6e_estimate_s"],
-              "write_kv_pages": kernels["kv_write"]["v6e_estimate_s"],
+              **({"write_kv_pages": kernels["kv_write"]["v6e_estimate_s"]}
+                 if "kv_write" in kernels else {}),
               **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
                  else {}),
               **{name: kernels[name]["v6e_estimate_s"] for name in projection_shapes(cfg)
@@ -138,18 +142,20 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
             if "qk_norm_rope" in schedules else {})  # heads it takes (kernels.rope_kernel)
     group = (lane_group(cfg.head_dim) if rope_kernel_applies(cfg.head_dim, cfg.qk_norm)
              and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
-    projections = {name: projection_estimate(schedules[name], shape.tokens, *dims, 2,
-                                             group if name in ROTATED_PROJECTIONS else 0)
-                   for name, dims in projection_shapes(cfg).items()
-                   if name in schedules}  # weights it takes (kernels.projection_kernel)
+    into_pages = "write_kv_pages" not in schedules  # k and v go to pages in their projection
+    projections = {name: projection_estimate(
+        schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
+        page_write_blocks(shape.tokens, *dims[:2], 2, page_size)
+        if into_pages and name == "project_kv" else None)
+        for name, dims in projection_shapes(cfg).items()
+        if name in schedules}  # weights it takes (kernels.projection_kernel)
+    kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
+        schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP), PAGES_PER_STEP,
+        real_pages, cfg.num_kv_heads * page_size * d * 2)}
     return {
-        **rope, **projections,
+        **rope, **projections, **kv_write,
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
                                         attn.bytes_accessed),
-        "kv_write": kv_write_estimate(
-            schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP),
-            PAGES_PER_STEP, real_pages,
-            cfg.num_kv_heads * page_size * d * 2),
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}

@@ -9,7 +9,7 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
-from kernels.projection_kernel import projection_blocks, projection_bytes
+from kernels.projection_kernel import ProjectionBlocks, projection_blocks, projection_bytes
 from kernels.rope_kernel import rope_block_tokens
 from profiling.v6e.schedule import KernelSchedule, estimate_seconds
 
@@ -77,12 +77,14 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
 
 
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
-                        weights: int, outputs: int, itemsize: int, rope_group: int = 0) -> dict:
+                        weights: int, outputs: int, itemsize: int, rope_group: int = 0,
+                        blocks: ProjectionBlocks | None = None) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
-    `rope_group` lanes where it rotates: its grid steps, each at the larger of its bundles and
-    its share of the bytes the kernel moves (the listing holds every block's DMA in every
-    step, where the pipeline skips a block that did not change)."""
-    blocks = projection_blocks(tokens, depth, width, weights, itemsize)
+    `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
+    grid steps, each at the larger of its bundles and its share of the bytes the kernel moves
+    (the listing holds every block's DMA in every step, where the pipeline skips a block that
+    did not change). Into pages, its outputs' bytes are the pages'."""
+    blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     moved = projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
                              blocks, rope_group)
