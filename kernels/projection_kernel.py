@@ -120,6 +120,11 @@ def _finish_each(products, biases, out_dtype):
                  for p, b in zip(products, biases))
 
 
+def _added(residual, y):
+    """residual + y in y's dtype, rounded once, as the model's add of the two."""
+    return (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(y.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """What a call's kernel takes after x: a stack for each of `groups` (its count of
@@ -131,17 +136,21 @@ class _Layout:
     gated: bool
     rope: tuple[int, float, bool] | None
     paged: bool = False  # the products go to pages (PageWrite), not to outputs
+    residual: bool = False  # a block of the residual stream follows the RoPE operands
 
     @property
     def weights(self) -> int:
         return sum(self.groups)
 
     def split(self, refs) -> tuple:
-        """(weights, biases, rope operands, outputs) of `refs`."""
-        n, biases = self.weights, self.weights if self.biased else 0
-        tables = 0 if self.rope is None else 2 + self.rope[2]
-        return (refs[:n], refs[n:n + biases], refs[n + biases:n + biases + tables],
-                refs[n + biases + tables:])
+        """(weights, biases, rope operands, residual, outputs) of `refs`: lists."""
+        counts = (self.weights, self.weights if self.biased else 0,
+                  0 if self.rope is None else 2 + self.rope[2], int(self.residual))
+        parts, start = [], 0
+        for n in counts:
+            parts.append(list(refs[start:start + n]))
+            start += n
+        return (*parts, list(refs[start:]))
 
 
 def _step(x_ref, *refs, layout: _Layout, after=None):
@@ -151,21 +160,24 @@ def _step(x_ref, *refs, layout: _Layout, after=None):
     in the listing, so that the compiler overlaps one sub-block's vector epilogue with the
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
     bundles to 6,914; docs/tpu_v6e.md); `after(first_row, rows)` follows each sub-block."""
-    w_refs, b_refs, rope_refs, out_refs = layout.split(refs)
+    w_refs, b_refs, rope_refs, residual, out_refs = layout.split(refs)
     block = row_block(x_ref.shape[0], lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
-        _sub_block(x_ref[rows, :], w_refs, b_refs, rope_refs, out_refs, rows, layout)
+        _sub_block(x_ref[rows, :], w_refs, b_refs, rope_refs, residual, out_refs, rows,
+                   layout)
         if after is not None:
             after(start, block)
 
 
-def _sub_block(x, w_refs, b_refs, rope_refs, out_refs, rows, layout: _Layout):
+def _sub_block(x, w_refs, b_refs, rope_refs, residual, out_refs, rows, layout: _Layout):
     products = [jnp.dot(x, w[...], preferred_element_type=jnp.float32) for w in w_refs]
     dtype = out_refs[0].dtype
     outs = (_finish_gated(products, dtype) if layout.gated
             else _finish_each(products, [b[...] for b in b_refs] or [None] * len(products),
                               dtype))
+    if residual:
+        outs = (_added(residual[0][rows, :], outs[0]),)
     for i, (out, y) in enumerate(zip(out_refs, outs)):
         if i == 0 and layout.rope is not None:
             _store_rotated(out, y, *rope_refs, rows=rows, rope=layout.rope)
@@ -313,7 +325,7 @@ def _groups(weights: tuple, layer) -> tuple:
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
-          pages: "PageWrite | None" = None):
+          pages: "PageWrite | None" = None, residual=None):
     check_projection_shapes(x, weights, biases, layer)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
@@ -328,13 +340,20 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     outputs = 1 if gated else n
     if pages is not None:
         pages.check(tokens, width, outputs, blocks, out_dtype)
+    if residual is not None and (outputs != 1 or pages is not None or gated
+                                 or residual.shape != (tokens, width)
+                                 or residual.dtype != jnp.dtype(out_dtype)):
+        raise ValueError(f"a residual [{tokens}, {width}] in {out_dtype} takes one output of "
+                         f"that shape, got {residual.shape} {residual.dtype} for {outputs} "
+                         f"outputs{' to pages' if pages else ''}")
     slots = 1 if blocks.all_columns(width) else 2
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
-                     pages is not None)
+                     pages is not None, residual is not None)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32)])
-    operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands]
+    operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
+                *([] if residual is None else [residual])]
     out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout),
@@ -345,7 +364,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, *_: (i, 0))]
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
-            + _rope_specs(rope, blocks.rows) + out.in_specs(),
+            + _rope_specs(rope, blocks.rows) + out.residual_specs(residual)
+            + out.in_specs(),
             out_specs=out.specs(),
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
                             pltpu.SemaphoreType.DMA((slots, n))] + out.scratch()),
@@ -421,6 +441,10 @@ class _Outputs:
     def in_specs(self) -> list:
         return [] if self.pages is None else [pl.BlockSpec(memory_space=pl.ANY)] * 2
 
+    def residual_specs(self, residual) -> list:
+        """The residual's blocks are the output's."""
+        return [] if residual is None else self.specs()
+
     def specs(self) -> list:
         if self.pages is None:
             return [pl.BlockSpec((self.blocks.rows, self.blocks.columns),
@@ -470,7 +494,7 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 
 
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
-            rope: HeadRope | None = None, pages: PageWrite | None = None,
+            rope: HeadRope | None = None, pages: PageWrite | None = None, residual=None,
             name: str = "project", blocks: ProjectionBlocks | None = None,
             interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
@@ -478,10 +502,11 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
     [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
     v's). With `rope`, the first product's heads (q, or k of k and v) are normed and rotated in
     VMEM. With `pages`, k's and v's products go into their pages: returns the pools (k, v).
-    `name`: the kernel's, one per call site (a study prices each)."""
+    With `residual` [T, out] (out_dtype), one weight's product is added to it (the layer's
+    residual stream). `name`: the kernel's, one per call site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
-                       interpret=interpret, pages=pages))
+                       interpret=interpret, pages=pages, residual=residual))
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
@@ -502,7 +527,8 @@ def _at_layer(weights: tuple, layer) -> tuple:
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
                       rope: HeadRope | None = None, pages: PageWrite | None = None,
-                      name: str = "project", blocks=None, interpret=False) -> tuple:
+                      residual=None, name: str = "project", blocks=None,
+                      interpret=False) -> tuple:
     """Plain JAX, the same contract: the model's XLA dots (and the norm and RoPE kernel's
     reference), and the pages written block by block."""
     del name, blocks, interpret
@@ -514,6 +540,8 @@ def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_
         rope.check(*outs[0].shape)
         outs = (norm_rope_reference(outs[0], rope.cos, rope.sin, rope.norm,
                                     head_dim=rope.head_dim, eps=rope.eps),) + outs[1:]
+    if residual is not None:
+        outs = (residual + outs[0],)
     return outs if pages is None else _pages_reference(outs, pages, layer)
 
 

@@ -117,10 +117,11 @@ def _finished(y, dtype, bias=None, shards: ShardPlan | None = None,
     return y.astype(dtype)
 
 
-Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None) -> x @ each
-#                      (weight, bias) pair's weight (+ its bias, where the model has it) in
-#                      x's dtype; with `shards` the weights are split by rows and the partial
-#                      sums all-reduced. `call` names a kernel call (one for all the pairs).
+Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None, residual=None)
+#                      -> x @ each (weight, bias) pair's weight (+ its bias, where the model
+#                      has it) in x's dtype (with `residual`, one pair's, added to it); with
+#                      `shards` the weights are split by rows and the partial sums
+#                      all-reduced. `call` names a kernel call (one for all the pairs).
 #                      `rope` (kernels.rope_kernel.HeadRope) and `pages`
 #                      (kernels.projection_kernel.PageWrite: the pools, k's and v's products
 #                      written into them), the kernel's only: the first product's heads
@@ -136,7 +137,7 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
     if kernels.project is not None:
         return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
-    def xla(x, pairs, call, shards=None, rope=None):
+    def xla(x, pairs, call, shards=None, rope=None, residual=None):
         del call
         if rope is not None:
             raise ValueError("RoPE in the projections needs the projection kernel")
@@ -145,7 +146,8 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
                                        preferred_element_type=jnp.float32)  # [T, 2, out]
             return tuple(_finished(both[:, i], x.dtype, lp.get(b), shards)
                          for i, (_, b) in enumerate(pairs))
-        return tuple(_project(dot, x, w, lp.get(b), shards, feature_major) for w, b in pairs)
+        return _plus(residual, tuple(_project(dot, x, w, lp.get(b), shards, feature_major)
+                                     for w, b in pairs))
     return xla
 
 
@@ -160,20 +162,28 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
-                        shards=None, rope=None, pages: PageWrite | None = None):
-    """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots);
-    RoPE and pages take whole products (q's, k's and v's projections are split by columns,
-    not rows)."""
+                        shards=None, rope=None, pages: PageWrite | None = None,
+                        residual=None):
+    """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)
+    and the residual; RoPE and pages take whole products (q's, k's and v's projections are
+    split by columns, not rows)."""
     weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
     if pages is not None:
         return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, name=call)
     if shards is None or not shards.sharded:
-        return kernel(x, weights, biases, layer=layer, rope=rope, name=call)
+        return kernel(x, weights, biases, layer=layer, rope=rope, residual=residual,
+                      name=call)
     if rope is not None:
         raise ValueError("RoPE needs whole products, not a row-split projection's")
     sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call)
-    return tuple(_finished(y, x.dtype, lp.get(b), shards) for y, (_, b) in zip(sums, pairs))
+    return _plus(residual, tuple(_finished(y, x.dtype, lp.get(b), shards)
+                                 for y, (_, b) in zip(sums, pairs)))
+
+
+def _plus(residual, outs: tuple) -> tuple:
+    """The product added to the residual stream, where there is one (one product)."""
+    return outs if residual is None else (residual + outs[0],)
 
 
 def _call_weights(stacked: dict, names: tuple) -> tuple:
@@ -258,14 +268,15 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
     return y if cos is None else apply_rope(y, cos, sin, feature_major=True)
 
 
-def _mlp(project: Project, gated_up: Callable | None, h, shards: ShardPlan):
-    """`gated_up`: h -> SiLU(h @ w_gate) * (h @ w_up) in one kernel; None: XLA's ops."""
+def _mlp(project: Project, gated_up: Callable | None, h, shards: ShardPlan, residual):
+    """`residual` plus the MLP of h. `gated_up`: h -> SiLU(h @ w_gate) * (h @ w_up) in one
+    kernel; None: XLA's ops."""
     if gated_up is None:
         gate, up = project(h, (("w_gate", None), ("w_up", None)), "gate_up")
         h = silu(gate.astype(jnp.float32)).astype(up.dtype) * up
     else:
         h = gated_up(h)
-    return project(h, (("w_down", None),), "project_down", shards)[0]
+    return project(h, (("w_down", None),), "project_down", shards, residual=residual)[0]
 
 
 def _pad_head_dim(x, width: int):
@@ -307,13 +318,14 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
         attn = attn.reshape(attn.shape[0], -1)
     with jax.named_scope("out_proj"):
-        x = x + project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
-                        shards)[0]
+        (x,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
+                       shards, residual=x)
     with jax.named_scope("mlp"):
         gated_up = kernels.gated_up and functools.partial(
             kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
             name="gate_up")
-        x = x + _mlp(project, gated_up, _norm(cfg, x, lp["mlp_norm"], feature_major), shards)
+        x = _mlp(project, gated_up, _norm(cfg, x, lp["mlp_norm"], feature_major), shards,
+                 residual=x)
     return (x, KVCache(k_pages, v_pages)), None
 
 

@@ -37,7 +37,8 @@ def _f32(x):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_references_are_the_models_xla_path(dtype):
     """The model's own projections and MLP (model.decoder, XLA's dots) give the references'
-    bits: the products, the bias in float32, the gate rounded before its SiLU."""
+    bits: the products, the bias in float32, the gate rounded before its SiLU, the residual
+    added to the rounded product."""
     x, wq, wk, wv, bq, bk, bv, gate, up, down = _arrays(
         dtype, 0, (48, 64), (64, 96), (64, 32), (64, 32), (96,), (32,), (32,), (64, 80),
         (64, 80), (80, 64))
@@ -48,8 +49,8 @@ def test_references_are_the_models_xla_path(dtype):
     got = model(x, (("wk", "bk"), ("wv", "bv")), "project_kv")
     for g, w in zip(got, project_reference(x, (wk, wv), (bk, bv))):
         np.testing.assert_array_equal(_f32(g), _f32(w))
-    mlp = decoder._mlp(model, None, x, ShardPlan())
-    want = project_reference(gated_up_reference(x, gate, up), (down,))[0]
+    mlp = decoder._mlp(model, None, x, ShardPlan(), residual=x)
+    want = project_reference(gated_up_reference(x, gate, up), (down,), residual=x)[0]
     np.testing.assert_array_equal(_f32(mlp), _f32(want))
 
 
@@ -230,6 +231,31 @@ def test_k_and_v_go_into_their_pages(blocks):
     with pytest.raises(ValueError, match="whole pages and heads"):
         project(x, (kv,), pages=pages, layer=0, blocks=ProjectionBlocks(8, 128),
                 interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128), ProjectionBlocks(32, 256)])
+def test_a_residual_is_added_to_the_product(dtype, blocks):
+    """With a residual (the layer's residual stream), the product plus its bias is rounded,
+    then added to it and rounded once: the bits of the kernel's own product added by XLA, as
+    the model adds it; within tolerance of the reference. Anything but one output of the
+    residual's shape and dtype is refused."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    x, w, b, r = _arrays(dtype, 11, (64, 256), (3, 256, 256), (256,), (64, 256))
+    interpret = pltpu.InterpretParams(detect_races=True)
+    run = jax.jit(lambda x, r, at: project(x, (w,), (b,), layer=at, residual=r,
+                                           blocks=blocks, interpret=interpret)[0])
+    got = run(x, r, jnp.int32(2))
+    (plain,) = project(x, (w,), (b,), layer=2, blocks=blocks, interpret=True)
+    np.testing.assert_array_equal(_f32(got), _f32(r + plain))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    np.testing.assert_allclose(_f32(got), _f32(project_reference(x, (w,), (b,), layer=2,
+                                                                 residual=r)[0]), **tol)
+    assert not interpret_pallas_call.races.races_found
+    with pytest.raises(ValueError, match=r"a residual \[64, 256\].*got \(64, 128\)"):
+        project(x, (w,), layer=0, residual=r[:, :128], interpret=True)
+    with pytest.raises(ValueError, match="for 2 outputs"):
+        project(x, (w, w), layer=0, residual=r, interpret=True)
 
 
 def test_bad_rope_operands_are_refused():
