@@ -1,7 +1,8 @@
 """The forward's kernels, each with a plain-JAX reference of the same signature beside it.
 
 Public: the kernels (KV write, attention, label gather; on TPU also the projections, which
-can write k and v into their pages, and q's and k's norm and RoPE) and their backends (`select_kernels` picks one implementation of
+can norm their input, add to the residual stream and write k and v into their pages, and q's
+and k's norm and RoPE) and their backends (`select_kernels` picks one implementation of
 each), the attention metadata and the block plan the planned kernels walk (built in the
 program: `plan_attention`; from concrete metadata: `build_plan`).
 """
@@ -17,6 +18,7 @@ from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
 from kernels.projection_kernel import (
+    InputNorm,
     PageWrite,
     gated_up,
     gated_up_reference,
@@ -36,8 +38,9 @@ from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import qk_norm_rope, qk_norm_rope_reference, rope_lane_tables
 
 __all__ = [
-    "AttentionMetadata", "AttentionPlan", "BlockSizes", "KERNEL_BACKENDS", "KernelSet",
-    "PageWrite", "TPU_BACKENDS", "build_plan", "default_block_sizes", "final_norm_label_gather",
+    "AttentionMetadata", "AttentionPlan", "BlockSizes", "InputNorm", "KERNEL_BACKENDS",
+    "KernelSet", "PageWrite", "TPU_BACKENDS", "build_plan", "default_block_sizes",
+    "final_norm_label_gather",
     "final_norm_label_gather_reference", "final_norm_label_gather_xla", "gated_up",
     "gated_up_reference", "plan_attention", "project", "project_reference",
     "projection_kernel_applies",

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
 from kernels.tpu_tiles import LANES, SUBLANES, row_block
 
@@ -34,6 +35,7 @@ _MIN_COLUMN_STEPS = 4  # when the weights stream, so that their DMAs overlap the
 _MIN_COLUMNS = 256  # the MXU's width: narrower blocks run it at half rate
 _VMEM_LIMIT_BYTES = 64 << 20  # the blocks above double-buffered, with the products
 MIN_TOKENS = 512  # projection_kernel_applies
+NORM_MIN_STEPS = 4  # norm_fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,23 +131,27 @@ def _added(residual, y):
 class _Layout:
     """What a call's kernel takes after x: a stack for each of `groups` (its count of
     weights), a bias for each weight (where `biased`), RoPE's two tables and norm weight
-    (where `rope` is (head_dim, eps, normed)), then its outputs; a step sees the weights'
-    blocks in place of the stacks."""
+    (where `rope` is (head_dim, eps, normed)), a block of the residual stream, x's norm
+    weight, then its outputs (or, `paged`, the pools); a step sees the weights' blocks in
+    place of the stacks (and the staging buffers in place of the pools)."""
     groups: tuple[int, ...]
     biased: bool
     gated: bool
     rope: tuple[int, float, bool] | None
     paged: bool = False  # the products go to pages (PageWrite), not to outputs
     residual: bool = False  # a block of the residual stream follows the RoPE operands
+    x_norm: float | None = None  # x is RMS-normed first (its eps; the weight last of all)
 
     @property
     def weights(self) -> int:
         return sum(self.groups)
 
     def split(self, refs) -> tuple:
-        """(weights, biases, rope operands, residual, outputs) of `refs`: lists."""
+        """(weights, biases, rope operands, residual, x's norm weight, outputs) of `refs`:
+        lists."""
         counts = (self.weights, self.weights if self.biased else 0,
-                  0 if self.rope is None else 2 + self.rope[2], int(self.residual))
+                  0 if self.rope is None else 2 + self.rope[2], int(self.residual),
+                  int(self.x_norm is not None))
         parts, start = [], 0
         for n in counts:
             parts.append(list(refs[start:start + n]))
@@ -160,12 +166,14 @@ def _step(x_ref, *refs, layout: _Layout, after=None):
     in the listing, so that the compiler overlaps one sub-block's vector epilogue with the
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
     bundles to 6,914; docs/tpu_v6e.md); `after(first_row, rows)` follows each sub-block."""
-    w_refs, b_refs, rope_refs, residual, out_refs = layout.split(refs)
+    w_refs, b_refs, rope_refs, residual, x_norm, out_refs = layout.split(refs)
     block = row_block(x_ref.shape[0], lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
-        _sub_block(x_ref[rows, :], w_refs, b_refs, rope_refs, residual, out_refs, rows,
-                   layout)
+        x = x_ref[rows, :]
+        if x_norm:
+            x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
+        _sub_block(x, w_refs, b_refs, rope_refs, residual, out_refs, rows, layout)
         if after is not None:
             after(start, block)
 
@@ -325,14 +333,12 @@ def _groups(weights: tuple, layer) -> tuple:
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
-          pages: "PageWrite | None" = None, residual=None):
+          pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None):
     check_projection_shapes(x, weights, biases, layer)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
     n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
-    blocks = blocks or (page_write_blocks(tokens, depth, width, x.dtype.itemsize,
-                                          pages.k_pages.shape[3]) if pages
-                        else projection_blocks(tokens, depth, width, n, x.dtype.itemsize))
+    blocks = blocks or _default_blocks(x, n, width, pages, x_norm)
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
@@ -340,20 +346,19 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     outputs = 1 if gated else n
     if pages is not None:
         pages.check(tokens, width, outputs, blocks, out_dtype)
-    if residual is not None and (outputs != 1 or pages is not None or gated
-                                 or residual.shape != (tokens, width)
-                                 or residual.dtype != jnp.dtype(out_dtype)):
-        raise ValueError(f"a residual [{tokens}, {width}] in {out_dtype} takes one output of "
-                         f"that shape, got {residual.shape} {residual.dtype} for {outputs} "
-                         f"outputs{' to pages' if pages else ''}")
+    if residual is not None:
+        _check_residual(residual, (tokens, width), out_dtype, outputs, pages is not None)
+    if x_norm is not None:
+        x_norm.check(depth, blocks, width)
     slots = 1 if blocks.all_columns(width) else 2
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
-                     pages is not None, residual is not None)
+                     pages is not None, residual is not None, x_norm and x_norm.eps)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32)])
     operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
-                *([] if residual is None else [residual])]
+                *([] if residual is None else [residual]),
+                *([] if x_norm is None else [x_norm.weight.reshape(1, depth)])]
     out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout),
@@ -365,6 +370,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
             + _rope_specs(rope, blocks.rows) + out.residual_specs(residual)
+            + ([] if x_norm is None else [pl.BlockSpec((1, depth), lambda i, j, *_: (0, 0))])
             + out.in_specs(),
             out_specs=out.specs(),
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
@@ -386,19 +392,68 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     )(*scalars, *operands, *out.operands())
 
 
+def _check_residual(residual, shape: tuple, dtype, outputs: int, paged: bool) -> None:
+    if outputs != 1 or paged or residual.shape != shape or residual.dtype != jnp.dtype(dtype):
+        raise ValueError(f"a residual {list(shape)} in {dtype} takes one output of that shape, "
+                         f"got {residual.shape} {residual.dtype} for {outputs} outputs"
+                         f"{' to pages' if paged else ''}")
+
+
+def row_stream_blocks(tokens: int, depth: int, width: int, weights: int, itemsize: int,
+                      least: int = _LEAST_ROWS) -> ProjectionBlocks | None:
+    """Blocks of every column and at most `_MAX_ROWS` rows (one sub-block), a whole number
+    of `least` rows, where the weights fit VMEM whole (None where they do not): each block
+    of x is then read, and finished, in one step."""
+    if weights * depth * width * itemsize > _WEIGHTS_WHOLE_BYTES:
+        return None
+    rows = row_block(tokens, lambda r: r <= _MAX_ROWS, least=least)
+    if rows % least:  # `least` not a power of two: whole multiples of it, fewest steps
+        rows = max(r for r in range(least, max(_MAX_ROWS, least) + 1, least)
+                   if tokens % r == 0)
+    return ProjectionBlocks(rows, width)
+
+
 def page_write_blocks(tokens: int, depth: int, width: int, itemsize: int,
                       page_size: int) -> ProjectionBlocks:
     """Blocks of k's and v's projection into pages (PageWrite): a step takes every head, so
-    that a block of rows goes to its page in one copy for k and one for v, and at most
-    `_MAX_ROWS` rows (one sub-block, staged twice over), where k's and v's weights fit VMEM
-    whole; else the projection's own blocks."""
-    if 2 * depth * width * itemsize > _WEIGHTS_WHOLE_BYTES:
-        return projection_blocks(tokens, depth, width, 2, itemsize)
-    rows = row_block(tokens, lambda r: r <= _MAX_ROWS, least=page_size)
-    if rows % page_size:  # a page size that is not a power of two: whole pages, fewest steps
-        rows = max(r for r in range(page_size, max(_MAX_ROWS, page_size) + 1, page_size)
-                   if tokens % r == 0)
-    return ProjectionBlocks(rows, width)
+    that a block of rows goes to its page in one copy for k and one for v (row_stream_blocks,
+    whole pages), or else the projection's own blocks."""
+    return (row_stream_blocks(tokens, depth, width, 2, itemsize, page_size)
+            or projection_blocks(tokens, depth, width, 2, itemsize))
+
+
+def _default_blocks(x, weights: int, width: int, pages, x_norm) -> ProjectionBlocks:
+    tokens, depth = x.shape
+    if pages is not None:
+        return page_write_blocks(tokens, depth, width, x.dtype.itemsize, pages.k_pages.shape[3])
+    if x_norm is not None:  # each block of x normed once (InputNorm.check refuses the rest)
+        return (row_stream_blocks(tokens, depth, width, weights, x.dtype.itemsize)
+                or projection_blocks(tokens, depth, width, weights, x.dtype.itemsize))
+    return projection_blocks(tokens, depth, width, weights, x.dtype.itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputNorm:
+    """x's RMSNorm (the layer's input norm, kernels.rms_norm: statistics in float32, the
+    product in the weight's dtype) applied to each block of x in VMEM before the products:
+    its weight [in] and eps. A step must hold every column, so that a block of x is normed
+    once (`norm_fits`)."""
+    weight: jax.Array
+    eps: float
+
+    def check(self, depth: int, blocks: ProjectionBlocks, width: int) -> None:
+        if self.weight.shape != (depth,) or not blocks.all_columns(width):
+            raise ValueError(f"x's norm takes a weight [{depth}] and steps of all {width} "
+                             f"columns, got {self.weight.shape} and {blocks}")
+
+
+def norm_fits(tokens: int, depth: int, width: int, weights: int, itemsize: int) -> bool:
+    """Whether a call's kernel norms x itself: its weights whole in VMEM, so that a step
+    holds every column, and at least NORM_MIN_STEPS steps of rows, over which the weights'
+    one copy, at the first, is spread (at 512 tokens, one step: Qwen3-0.6B's forward 1.642
+    -> 1.941 ms in the v6e estimate)."""
+    blocks = row_stream_blocks(tokens, depth, width, weights, itemsize)
+    return blocks is not None and tokens // blocks.rows >= NORM_MIN_STEPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,26 +550,27 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
             rope: HeadRope | None = None, pages: PageWrite | None = None, residual=None,
-            name: str = "project", blocks: ProjectionBlocks | None = None,
-            interpret=False) -> tuple:
+            x_norm: InputNorm | None = None, name: str = "project",
+            blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
     [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
     v's). With `rope`, the first product's heads (q, or k of k and v) are normed and rotated in
     VMEM. With `pages`, k's and v's products go into their pages: returns the pools (k, v).
     With `residual` [T, out] (out_dtype), one weight's product is added to it (the layer's
-    residual stream). `name`: the kernel's, one per call site (a study prices each)."""
+    residual stream). With `x_norm`, x is RMS-normed first. `name`: the kernel's, one per
+    call site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
-                       interpret=interpret, pages=pages, residual=residual))
+                       interpret=interpret, pages=pages, residual=residual, x_norm=x_norm))
 
 
-def gated_up(x, w_gate, w_up, *, layer=None, name: str = "gate_up",
-             blocks: ProjectionBlocks | None = None, interpret=False):
+def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
+             name: str = "gate_up", blocks: ProjectionBlocks | None = None, interpret=False):
     """SiLU(x @ w_gate) * (x @ w_up), in x's dtype: the MLP's input to its down projection.
-    `layer` as in `project`."""
+    `layer` and `x_norm` as in `project`."""
     (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
-                   blocks=blocks, rope=None, interpret=interpret)
+                   blocks=blocks, rope=None, interpret=interpret, x_norm=x_norm)
     return out
 
 
@@ -527,12 +583,13 @@ def _at_layer(weights: tuple, layer) -> tuple:
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
                       rope: HeadRope | None = None, pages: PageWrite | None = None,
-                      residual=None, name: str = "project", blocks=None,
-                      interpret=False) -> tuple:
-    """Plain JAX, the same contract: the model's XLA dots (and the norm and RoPE kernel's
-    reference), and the pages written block by block."""
+                      residual=None, x_norm: InputNorm | None = None,
+                      name: str = "project", blocks=None, interpret=False) -> tuple:
+    """Plain JAX, the same contract: the model's RMSNorm and XLA dots (and the norm and RoPE
+    kernel's reference), and the pages written block by block."""
     del name, blocks, interpret
     check_projection_shapes(x, tuple(weights), tuple(biases), layer)
+    x = _normed_reference(x, x_norm)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer(tuple(weights), layer)]
     outs = _finish_each(products, list(biases) or [None] * len(products), out_dtype or x.dtype)
@@ -557,11 +614,16 @@ def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:
     return put(pages.k_pages, outs[0]), put(pages.v_pages, outs[1])
 
 
-def gated_up_reference(x, w_gate, w_up, *, layer=None, name: str = "gate_up", blocks=None,
-                       interpret=False):
+def gated_up_reference(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
+                       name: str = "gate_up", blocks=None, interpret=False):
     """Plain JAX, the same contract."""
     del name, blocks, interpret
     check_projection_shapes(x, (w_gate, w_up), (), layer)
+    x = _normed_reference(x, x_norm)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer((w_gate, w_up), layer)]
     return _finish_gated(products, x.dtype)[0]
+
+
+def _normed_reference(x, x_norm: InputNorm | None):
+    return x if x_norm is None else rms_norm(x, x_norm.weight, x_norm.eps).astype(x.dtype)

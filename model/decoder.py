@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.ragged_paged_attention import page_blocks, written_pages
-from kernels.projection_kernel import PageWrite, projection_kernel_applies, silu
+from kernels.projection_kernel import (
+    InputNorm,
+    PageWrite,
+    norm_fits,
+    projection_kernel_applies,
+    silu,
+)
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, rope_angles, rope_kernel_applies, rope_lane_tables
 from kernels.tpu_tiles import lane_aligned
@@ -117,15 +123,15 @@ def _finished(y, dtype, bias=None, shards: ShardPlan | None = None,
     return y.astype(dtype)
 
 
-Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None, residual=None)
-#                      -> x @ each (weight, bias) pair's weight (+ its bias, where the model
-#                      has it) in x's dtype (with `residual`, one pair's, added to it); with
-#                      `shards` the weights are split by rows and the partial sums
-#                      all-reduced. `call` names a kernel call (one for all the pairs).
-#                      `rope` (kernels.rope_kernel.HeadRope) and `pages`
-#                      (kernels.projection_kernel.PageWrite: the pools, k's and v's products
-#                      written into them), the kernel's only: the first product's heads
-#                      normed and rotated in the kernel.
+Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None, residual=None,
+#                      x_norm=None) -> x @ each (weight, bias) pair's weight (+ its bias,
+#                      where the model has it) in x's dtype (with `residual`, one pair's,
+#                      added to it); with `shards` the weights are split by rows and the
+#                      partial sums all-reduced. `call` names a kernel call (one for all the
+#                      pairs). The kernel's only: `rope` (kernels.rope_kernel.HeadRope), the
+#                      first product's heads normed and rotated in the kernel; `pages`
+#                      (kernels.projection_kernel.PageWrite), k's and v's products written
+#                      into the pools it returns; `x_norm` (InputNorm), x RMS-normed first.
 
 
 def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
@@ -137,10 +143,11 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
     if kernels.project is not None:
         return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
-    def xla(x, pairs, call, shards=None, rope=None, residual=None):
+    def xla(x, pairs, call, shards=None, rope=None, residual=None, x_norm=None):
         del call
-        if rope is not None:
-            raise ValueError("RoPE in the projections needs the projection kernel")
+        if rope is not None or x_norm is not None:
+            raise ValueError("RoPE and x's norm in the projections need the projection "
+                             "kernel")
         if tuple(w for w, _ in pairs) == KV_WEIGHTS and KV_GROUP in lp:
             both = jax.lax.dot_general(x, lp[KV_GROUP], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)  # [T, 2, out]
@@ -163,19 +170,21 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
                         shards=None, rope=None, pages: PageWrite | None = None,
-                        residual=None):
+                        residual=None, x_norm: InputNorm | None = None):
     """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)
     and the residual; RoPE and pages take whole products (q's, k's and v's projections are
     split by columns, not rows)."""
     weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
     if pages is not None:
-        return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, name=call)
+        return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, x_norm=x_norm,
+                      name=call)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, residual=residual,
-                      name=call)
-    if rope is not None:
-        raise ValueError("RoPE needs whole products, not a row-split projection's")
+                      x_norm=x_norm, name=call)
+    if rope is not None or x_norm is not None:
+        raise ValueError("RoPE and x's norm need whole products, not a row-split "
+                         "projection's")
     sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call)
     return _plus(residual, tuple(_finished(y, x.dtype, lp.get(b), shards)
                                  for y, (_, b) in zip(sums, pairs)))
@@ -201,16 +210,18 @@ def _head_ropes(cfg: ModelConfig, kernels: KernelSet, lp: dict, cos, sin) -> tup
     return tuple(HeadRope(cos, sin, n, cfg.head_dim, cfg.rms_norm_eps) for n in norms)
 
 
-def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, cos, sin):
-    """q, k, v token-major [T, heads, D] (this shard's heads). q's and k's norm and RoPE: in
-    the projection kernels where the backend has them and the norm and RoPE kernel, else in
-    that kernel (both on the projections' layout, with `rope_lane_tables`), else XLA's ops."""
+def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, h_norm, cos,
+         sin):
+    """q, k, v token-major [T, heads, D] (this shard's heads) of h (`h_norm`: its norm, for
+    the kernels to apply). q's and k's norm and RoPE: in the projection kernels where the
+    backend has them and the norm and RoPE kernel, else in that kernel (both on the
+    projections' layout, with `rope_lane_tables`), else XLA's ops."""
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
     q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
     in_projections = q_rope is not None
     q_call, kv_call = ROTATED_PROJECTIONS
-    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope)
-    k, v = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope)
+    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope, x_norm=h_norm)
+    k, v = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope, x_norm=h_norm)
     if kernels.rope is not None and not in_projections:
         q, k = kernels.rope(q, k, cos, sin, *norms if cfg.qk_norm else (),
                             head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
@@ -224,14 +235,14 @@ def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, co
 
 
 def _q_and_kv_pages(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h,
-                    cos, sin, cache: KVCache, blocks: "_BlockPages"):
+                    h_norm, cos, sin, cache: KVCache, blocks: "_BlockPages"):
     """q [T, heads, D], and the pools with k's and v's products written into their pages by
     their projection (normed and rotated there too): no k or v array, no gather."""
     q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
     q_call, kv_call = ROTATED_PROJECTIONS
-    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope)
+    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope, x_norm=h_norm)
     k_pages, v_pages = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope,
-                               pages=PageWrite(cache.k, cache.v, blocks.ids))
+                               pages=PageWrite(cache.k, cache.v, blocks.ids), x_norm=h_norm)
     return q.reshape(h.shape[0], -1, cfg.head_dim), k_pages, v_pages
 
 
@@ -295,19 +306,19 @@ def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
 
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch,
            written: tuple, cos, sin, matrices: tuple | None, stacked: dict,
-           feature_major: bool, carry, xs):
+           feature_major: bool, norms_in: "_NormsIn", carry, xs):
     x, cache = carry
     lp, layer = xs
     dot = _layer_dot(lp, matrices, layer, feature_major)
     project = _layer_projections(kernels, lp, stacked, layer, dot, feature_major)
     with jax.named_scope("qkv"):
-        h = _norm(cfg, x, lp["attn_norm"], feature_major)
+        h, h_norm = _input(cfg, x, lp["attn_norm"], norms_in.attention, feature_major)
         if isinstance(written, _BlockPages):
-            q, k_pages, v_pages = _q_and_kv_pages(cfg, kernels, project, lp, h, cos, sin,
-                                                  cache, written)
+            q, k_pages, v_pages = _q_and_kv_pages(cfg, kernels, project, lp, h, h_norm, cos,
+                                                  sin, cache, written)
         else:
             q, k, v = (_qkv_feature_major(cfg, lp, dot, h, cos, sin) if feature_major
-                       else _qkv(cfg, kernels, project, lp, h, cos, sin))
+                       else _qkv(cfg, kernels, project, lp, h, h_norm, cos, sin))
             q, k, v = (_pad_head_dim(y, cache.k.shape[-1]) for y in (q, k, v))
     if not isinstance(written, _BlockPages):
         with jax.named_scope("kv_write"):
@@ -321,12 +332,43 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         (x,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
                        shards, residual=x)
     with jax.named_scope("mlp"):
+        h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
         gated_up = kernels.gated_up and functools.partial(
             kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-            name="gate_up")
-        x = _mlp(project, gated_up, _norm(cfg, x, lp["mlp_norm"], feature_major), shards,
-                 residual=x)
+            x_norm=h_norm, name="gate_up")
+        x = _mlp(project, gated_up, h, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
+
+
+class _NormsIn(NamedTuple):
+    """Whether the layer's input norms run in the kernels that read their output (q's and
+    k's and v's projections; gate and up's): their weights whole in VMEM."""
+    attention: bool = False
+    mlp: bool = False
+
+
+def _norms_in(cfg: ModelConfig, kernels: KernelSet, stacked: dict, tokens: int) -> _NormsIn:
+    if kernels.project is None or kernels.gated_up is None:
+        return _NormsIn()
+    kv = stacked[KV_GROUP] if KV_GROUP in stacked else stacked["wk"]
+    return norms_in_kernels(cfg, tokens, stacked["wq"].shape[-1], kv.shape[-1],
+                            stacked["w_gate"].shape[-1], stacked["wq"].dtype.itemsize)
+
+
+def norms_in_kernels(cfg: ModelConfig, tokens: int, q_width: int, kv_width: int,
+                     inner_width: int, itemsize: int) -> _NormsIn:
+    """Whether the projection kernels of this shard's widths take the input norms."""
+    return _NormsIn(norm_fits(tokens, cfg.hidden_size, q_width, 1, itemsize)
+                    and norm_fits(tokens, cfg.hidden_size, kv_width, 2, itemsize),
+                    norm_fits(tokens, cfg.hidden_size, inner_width, 2, itemsize))
+
+
+def _input(cfg: ModelConfig, x, weight, in_kernels: bool, feature_major: bool) -> tuple:
+    """The input of a layer's projections and its norm: x and its RMSNorm for the kernels to
+    apply, or x normed here (by XLA) and None."""
+    if in_kernels:
+        return x, InputNorm(weight, cfg.rms_norm_eps)
+    return _norm(cfg, x, weight, feature_major), None
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
@@ -350,9 +392,10 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)
     with jax.named_scope("written_pages"):
         written = _written(cfg, kernels, batch, cache)
+    norms_in = _norms_in(cfg, kernels, stacked, x.shape[0])
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
                                                       written, cos, sin, matrices, stacked,
-                                                      feature_major))
+                                                      feature_major, norms_in))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     carry = (x.T if feature_major else x, cache)
     (x, cache), _ = jax.lax.scan(body, carry, (layer_params, layers))

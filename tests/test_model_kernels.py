@@ -49,8 +49,9 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
     """With heads the norm and RoPE kernel takes (Qwen3's norm on 128 lanes; Llama's and
     Qwen2's heads of 32, four to a lane group) and weights of whole lane tiles, every
     projection on its kernel (the weights read from the stacks at the layer; Qwen2's q, k and
-    v biases), q's and k's norm and RoPE in the q and k projections, and, with heads of whole
-    lane tiles (the pool's), k and v written into their pages by their projection; or, with
+    v biases), the layer's input norms in the kernels that read them, q's and k's norm and
+    RoPE in the q and k projections, and, with heads of whole lane tiles (the pool's), k and
+    v written into their pages by their projection; or, with
     too few tokens for the projection kernels, in the norm and RoPE kernel: the Pallas
     kernels in the TPU interpreter score as the dense reference."""
     from kernels import backends, projection_kernel
@@ -58,6 +59,7 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
     from tests.tiny_models import write_checkpoint
     if projections:
         monkeypatch.setattr(projection_kernel, "MIN_TOKENS", 0)  # the tests' batches are small
+        monkeypatch.setattr(projection_kernel, "NORM_MIN_STEPS", 1)
     traced, projected = [], []
 
     def counting(kernel, seen, key):
@@ -72,7 +74,7 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
         monkeypatch.setattr(backends, name, counting(
             getattr(backends, name), projected,
             lambda kw: (kw["name"], kw["rope"].head_dim if kw.get("rope") else None,
-                        kw.get("pages") is not None)))
+                        kw.get("pages") is not None, kw.get("x_norm") is not None)))
     path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
                             intermediate_size=256, **overrides)
     kernel, reference = (Engine.from_path(path, small_config(**kw)) for kw in (
@@ -85,7 +87,8 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
         kernel.close()
         reference.close()
     want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None,
-             name == "project_kv" and head_dim % 128 == 0)
+             name == "project_kv" and head_dim % 128 == 0,
+             name in ("project_q", "project_kv", "gate_up"))
             for name in decoder.projection_shapes(kernel.runner.cfg)}
     assert set(projected) == (want if projections else set())
     assert set(traced) == (set() if projections else {head_dim})

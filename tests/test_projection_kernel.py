@@ -18,6 +18,7 @@ from kernels.projection_kernel import (
     projection_blocks,
     projection_bytes,
 )
+from kernels.rms_norm import rms_norm
 from model import decoder
 from model.sharding import ShardPlan
 from profiling.v6e.compile import SIZED_MODELS, STUDY_MODELS, compile_for_v6e, mosaic_kernels
@@ -258,6 +259,37 @@ def test_a_residual_is_added_to_the_product(dtype, blocks):
         project(x, (w, w), layer=0, residual=r, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 256)])
+def test_x_normed_in_the_kernel_is_the_models_norm(dtype, blocks):
+    """With x's norm (the layer's input RMSNorm), each block of x is normed in VMEM before the
+    products, for a projection and for gate and up: within the projections' tolerance of the
+    model's norm then the reference (the norm's sums run in another order); a step must hold
+    every column, and the weights must fit VMEM whole for the blocks to give one."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.projection_kernel import InputNorm, norm_fits
+    x, w, weight = _arrays(dtype, 12, (64, 256), (3, 256, 256), (256,))
+    w, norm = w / 16, InputNorm(1 + weight / 4, 1e-6)
+    interpret = pltpu.InterpretParams(detect_races=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    got = project(x, (w,), layer=1, x_norm=norm, blocks=blocks, interpret=interpret)[0]
+    want = project_reference(rms_norm(x, norm.weight, 1e-6).astype(dtype), (w[1],))[0]
+    np.testing.assert_allclose(_f32(got), _f32(want), **tol)
+    np.testing.assert_allclose(_f32(got), _f32(project_reference(x, (w,), layer=1,
+                                                                 x_norm=norm)[0]), **tol)
+    gated = gated_up(x, w[0], w[2], x_norm=norm, blocks=blocks, interpret=interpret)
+    np.testing.assert_allclose(_f32(gated), _f32(gated_up_reference(x, w[0], w[2],
+                                                                    x_norm=norm)), **tol)
+    assert not interpret_pallas_call.races.races_found
+    with pytest.raises(ValueError, match=r"steps of all 256 columns"):
+        project(x, (w,), layer=1, x_norm=norm, blocks=ProjectionBlocks(16, 128),
+                interpret=True)
+    with pytest.raises(ValueError, match=r"a weight \[256\]"):
+        project(x, (w,), layer=1, x_norm=InputNorm(weight[:128], 1e-6), interpret=True)
+    assert norm_fits(2048, 1024, 3072, 2, 2) and not norm_fits(2048, 2048, 8192, 2, 2)
+    assert not norm_fits(1024, 1024, 3072, 2, 2)  # two steps: the weights' copy not spread
+
+
 def test_bad_rope_operands_are_refused():
     from kernels.rope_kernel import HeadRope, rope_lane_tables
     x, w, weight = _arrays(jnp.float32, 5, (32, 64), (64, 256), (128,))
@@ -272,7 +304,7 @@ def test_bad_rope_operands_are_refused():
     with pytest.raises(ValueError, match="column blocks of whole lane groups"):
         call(rope=HeadRope(*rope_lane_tables(jnp.arange(32), 256, 1e4), None, 256, 1e-6),
              blocks=ProjectionBlocks(32, 128))
-    with pytest.raises(ValueError, match="needs the projection kernel"):
+    with pytest.raises(ValueError, match="need the projection kernel"):
         lp = dict(wq=w)
         xla = select_kernels("xla", sm_scale=1.0, max_q_len=32, sizes=None)
         decoder._layer_projections(xla, lp, {}, 0, decoder._layer_dot(lp, None, 0, False),

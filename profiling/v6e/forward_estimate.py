@@ -9,7 +9,7 @@ import numpy as np
 
 from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
-from kernels.projection_kernel import page_write_blocks
+from kernels.projection_kernel import page_write_blocks, row_stream_blocks
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -20,7 +20,12 @@ from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
-from model.decoder import ROTATED_PROJECTIONS, pool_head_dim, projection_shapes
+from model.decoder import (
+    ROTATED_PROJECTIONS,
+    norms_in_kernels,
+    pool_head_dim,
+    projection_shapes,
+)
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
     attention_estimate,
@@ -143,10 +148,10 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     group = (lane_group(cfg.head_dim) if rope_kernel_applies(cfg.head_dim, cfg.qk_norm)
              and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
     into_pages = "write_kv_pages" not in schedules  # k and v go to pages in their projection
+    blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        page_write_blocks(shape.tokens, *dims[:2], 2, page_size)
-        if into_pages and name == "project_kv" else None)
+        blocks.get(name))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
@@ -159,6 +164,22 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}
+
+
+def _projection_blocks(cfg: ModelConfig, tokens: int, page_size: int,
+                       into_pages: bool) -> dict:
+    """The calls whose blocks are not the projection's own (model.decoder): k's and v's
+    into pages, and the calls that norm their input, every column a step."""
+    shapes = projection_shapes(cfg)
+    norms = norms_in_kernels(cfg, tokens, shapes["project_q"][1], shapes["project_kv"][1],
+                             shapes["gate_up"][1], 2)
+    normed = (("project_q", "project_kv") if norms.attention else ()) + (
+        ("gate_up",) if norms.mlp else ())
+    blocks = {name: row_stream_blocks(tokens, *shapes[name][:3], 2) for name in normed}
+    if into_pages:
+        blocks["project_kv"] = page_write_blocks(tokens, *shapes["project_kv"][:2], 2,
+                                                 page_size)
+    return blocks
 
 
 def _rope_estimate(cfg: ModelConfig, shape: BatchShape, schedule) -> dict:
