@@ -11,7 +11,7 @@ from kernels.label_gather_kernel import (
 )
 from kernels.projection_kernel import ProjectionBlocks, projection_blocks, projection_bytes
 from kernels.rope_kernel import rope_block_tokens
-from profiling.v6e.schedule import KernelSchedule, estimate_seconds
+from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
 
@@ -83,14 +83,19 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
     grid steps, each at the larger of its bundles and its share of the bytes the kernel moves
     (the listing holds every block's DMA in every step, where the pipeline skips a block that
-    did not change). Into pages, its outputs' bytes are the pages'."""
+    did not change), after its fill: the first block of x and of the weights, copied in
+    before the first step with nothing to overlap them. Into pages, its outputs' bytes are
+    the pages'."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
+    first = (blocks.rows + weights * blocks.columns) * depth * itemsize
     moved = projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
-                             blocks, rope_group)
+                             blocks, rope_group) - first
+    fill_s = first / V6E_HBM_BYTES_PER_S
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
-            "step_bundles": schedule.step_bundles(),
-            "v6e_estimate_s": estimate_seconds(schedule, steps, step_bytes=moved / steps)}
+            "step_bundles": schedule.step_bundles(), "fill_s": fill_s,
+            "v6e_estimate_s": fill_s + estimate_seconds(schedule, steps,
+                                                        step_bytes=moved / steps)}
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,
