@@ -260,16 +260,17 @@ def _kernel(*refs, layout: _Layout):
     if not layout.paged:
         _step(x_ref, *weights, *step_refs, layout=layout)
         return
+    page_slot = step % 2
     pages = _PageCopies(layer_ref[0], block_pages, staging, (k_pages, v_pages), page_sems,
-                        blocks)
-    pl.when(step >= 2)(lambda: pages.wait(step - 2))  # the staging slot's last copies
-    _step(x_ref, *weights, *step_refs, *pages.buffers(step), layout=layout,
-          after=functools.partial(pages.start, step))
+                        pl.program_id(0), j)
+    pl.when(step >= 2)(lambda: pages.wait(page_slot))  # the slot's copies of two steps ago
+    _step(x_ref, *weights, *step_refs, *pages.buffers(page_slot), layout=layout,
+          after=functools.partial(pages.start, page_slot))
 
     @pl.when(step == steps - 1)
     def _():
-        pl.when(step >= 1)(lambda: pages.wait(step - 1))
-        pages.wait(step)
+        pl.when(step >= 1)(lambda: pages.wait(1 - page_slot))
+        pages.wait(page_slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,26 +285,28 @@ class _PageCopies:
     staging: object
     pools: tuple
     sems: object
-    column_blocks: int
+    row_block: jax.Array     # the step's grid position
+    column_block: jax.Array
 
-    def buffers(self, step) -> list:
-        return [self.staging.at[step % 2, n] for n in range(2)]
+    def buffers(self, slot) -> list:
+        return [self.staging.at[slot, n] for n in range(2)]
 
-    def start(self, step, first_row: int, rows: int) -> None:
+    def start(self, slot, first_row: int, rows: int) -> None:
         heads, step_rows, _ = self.staging.shape[2:]
         page_size = self.pools[0].shape[3]
-        first = jax.lax.div(step, self.column_blocks) * (step_rows // page_size)
-        head = pl.ds(jax.lax.rem(step, self.column_blocks) * heads, heads)
+        first = self.row_block * (step_rows // page_size)
+        head = pl.ds(self.column_block * heads, heads)
         for b in range(first_row // page_size, (first_row + rows) // page_size):
             page = self.block_pages[first + b]
             for n, pool in enumerate(self.pools):
                 pltpu.make_async_copy(
-                    self.staging.at[step % 2, n, :, pl.ds(b * page_size, page_size)],
-                    pool.at[self.layer, head, page], self.sems.at[step % 2]).start()
+                    self.staging.at[slot, n, :, pl.ds(b * page_size, page_size)],
+                    pool.at[self.layer, head, page], self.sems.at[slot]).start()
 
-    def wait(self, step) -> None:
-        slot = self.staging.at[step % 2]
-        pltpu.make_async_copy(slot, slot, self.sems.at[step % 2]).wait()
+    def wait(self, slot) -> None:
+        """All of a slot's copies: one wait of the slot's size on their semaphore."""
+        buffer = self.staging.at[slot]
+        pltpu.make_async_copy(buffer, buffer, self.sems.at[slot]).wait()
 
 
 def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:

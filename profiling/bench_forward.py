@@ -126,8 +126,7 @@ def schedule(engine: Engine, bucket: int, rng):
     entries = paged(seqs, buckets.page_size)
     rows = sum(len(s.score_rows) for s in seqs)
     labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
-    shape = buckets.shape(sum(buckets.padded_tokens(len(s.tokens)) for s in seqs), rows,
-                          len(seqs))
+    shape = buckets.shape_of((len(s.tokens) for s in seqs), rows, len(seqs))
     return entries, labels, shape
 
 

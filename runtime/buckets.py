@@ -74,5 +74,9 @@ class ShapeBuckets:
         pages = pages_needed(self.max_kv_len, self.page_size)
         return BatchShape(tokens, seqs, pages, rows, self.max_labels)
 
+    def shape_of(self, new_tokens, n_rows: int, n_seqs: int) -> BatchShape:
+        """The bucket of sequences of these new tokens, each padded as a batch pads it."""
+        return self.shape(sum(map(self.padded_tokens, new_tokens)), n_rows, n_seqs)
+
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.token_budget)) for t in self.token_sizes()]

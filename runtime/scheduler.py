@@ -195,8 +195,8 @@ class Scheduler:
         labels = [u.job.labels for u, _ in forward.batch for _ in u.items]
         entries = forward.entries
         try:
-            tokens = sum(self.buckets.padded_tokens(e.new_tokens) for e in entries)
-            forward.shape = self.buckets.shape(tokens, len(labels), len(entries))
+            forward.shape = self.buckets.shape_of((e.new_tokens for e in entries),
+                                                  len(labels), len(entries))
             with jax.profiler.TraceAnnotation("build_batch"):
                 batch = build_batch(entries, labels, forward.shape, self.buckets.page_size,
                                     any(u.job.with_lse for u, _ in forward.batch),

@@ -59,8 +59,7 @@ def v6e_batch(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels):
     """The batch of `entries` as a v6e server with `engine_cfg` builds it, its shape bucket
     and its block sizes."""
     buckets = engine_cfg.buckets(cfg, v6e_devices(1)[0])
-    shape = buckets.shape(sum(buckets.padded_tokens(e.new_tokens) for e in entries),
-                          len(labels), len(entries))
+    shape = buckets.shape_of((e.new_tokens for e in entries), len(labels), len(entries))
     return shape, build_batch(entries, labels, shape, buckets.page_size,
                               page_aligned=buckets.page_aligned), buckets.sizes
 
