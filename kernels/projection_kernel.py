@@ -36,6 +36,10 @@ _MIN_COLUMNS = 256  # the MXU's width: narrower blocks run it at half rate
 _VMEM_LIMIT_BYTES = 64 << 20  # the blocks above double-buffered, with the products
 MIN_TOKENS = 512  # projection_kernel_applies
 NORM_MIN_STEPS = 4  # norm_fits
+# The first step waits for its weights a chunk of columns at a time, each just before its
+# products: the wider the chunks, the longer its fill; the narrower, the more waits in its
+# listing (each drains the MXU's pipeline; docs/tpu_v6e.md)
+FIRST_CHUNK_COLUMNS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +57,26 @@ class ProjectionBlocks:
 
 def projection_blocks(tokens: int, depth: int, width: int, weights: int,
                       itemsize: int) -> ProjectionBlocks:
-    """Blocks of x [tokens, depth] and of `weights` weights [depth, width]: the tokens whole
-    where they fit (x read once, each weight block once, in at least four blocks of at least
-    the MXU's 256 columns where the width allows); else the weights whole where they fit
-    (read once, the tokens streamed); else both in blocks, the tokens' as large as fit (the
-    weights read once per block of tokens)."""
+    """Blocks of x [tokens, depth] and of `weights` weights [depth, width]: the weights whole
+    where they fit and the tokens take two steps or more (each read once, and the first step
+    waits for one block of x, not all of it); else the tokens whole where they fit (x read
+    once, each weight block once, in at least four blocks of at least the MXU's 256 columns
+    where the width allows); else the weights whole where they fit; else both in blocks, the
+    tokens' as large as fit (the weights read once per block of tokens)."""
     def columns(rows: int, most: int) -> int:
         return _columns(width, lambda c: c <= most
                         and weights * depth * c * itemsize <= _BLOCK_WEIGHT_BYTES
                         and rows * c * weights * 4 <= _PRODUCT_BYTES)
+    streamed = (weights * depth * width * itemsize <= _WEIGHTS_WHOLE_BYTES
+                and row_block(tokens, lambda r: r <= _MAX_ROWS
+                              and r * width * weights * 4 <= _PRODUCT_BYTES, least=_LEAST_ROWS))
+    if streamed and tokens // streamed >= 2:
+        return ProjectionBlocks(streamed, width)
     if tokens * depth * itemsize <= _TOKENS_WHOLE_BYTES:
         return ProjectionBlocks(tokens, columns(tokens, max(width // _MIN_COLUMN_STEPS,
                                                             _MIN_COLUMNS)))
-    if weights * depth * width * itemsize <= _WEIGHTS_WHOLE_BYTES:
-        return ProjectionBlocks(row_block(tokens, lambda r: r <= _MAX_ROWS
-                                          and r * width * weights * 4 <= _PRODUCT_BYTES,
-                                          least=_LEAST_ROWS), width)
+    if streamed:
+        return ProjectionBlocks(streamed, width)
     rows = row_block(tokens, lambda r: r * depth * itemsize <= _TOKEN_BLOCK_BYTES,
                      least=_LEAST_ROWS)
     return ProjectionBlocks(rows, columns(rows, width))
@@ -81,6 +89,15 @@ def _columns(width: int, fits) -> int:
     tiles = width // LANES
     return LANES * max(t for t in range(1, tiles + 1) if tiles % t == 0
                        and (t == 1 or fits(t * LANES)))
+
+
+def first_chunk_columns(tokens: int, width: int, blocks: ProjectionBlocks) -> int:
+    """Columns of the first weight block's chunks: where a step holds all the weights and
+    there are two steps or more, FIRST_CHUNK_COLUMNS (or the widest lane tiles dividing the
+    width up to them); else the block whole."""
+    if not blocks.all_columns(width) or tokens // blocks.rows < 2:
+        return blocks.columns
+    return _columns(width, lambda c: c <= FIRST_CHUNK_COLUMNS)
 
 
 def projection_kernel_applies(tokens: int, shapes) -> bool:
@@ -159,38 +176,56 @@ class _Layout:
         return (*parts, list(refs[start:]))
 
 
-def _step(x_ref, *refs, layout: _Layout, after=None):
+def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
     """One block of tokens times one block of each weight's columns, finished: the first
     product normed and rotated where the call has RoPE. The block's rows go through in
     sub-blocks of at most `_MAX_ROWS` (where a power of two divides them), one after another
     in the listing, so that the compiler overlaps one sub-block's vector epilogue with the
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
-    bundles to 6,914; docs/tpu_v6e.md); `after(first_row, rows)` follows each sub-block."""
+    bundles to 6,914; docs/tpu_v6e.md); each sub-block's columns in chunks of `chunk`, the
+    first sub-block's after `ready(chunk index)`; `after(first_row, rows)` follows each
+    sub-block."""
     w_refs, b_refs, rope_refs, residual, x_norm, out_refs = layout.split(refs)
     block = row_block(x_ref.shape[0], lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
+        waits = ready if start == 0 else None
+        if waits is not None:  # before x's norm, which then overlaps the first products
+            waits(0)
         x = x_ref[rows, :]
         if x_norm:
             x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
-        _sub_block(x, w_refs, b_refs, rope_refs, residual, out_refs, rows, layout)
+        chunks = [pl.ds(first, chunk) for first in range(0, w_refs[0].shape[-1], chunk)]
+        products = _products(x, w_refs, chunks[0])
+        for c, columns in enumerate(chunks):
+            if c + 1 < len(chunks):  # the next chunk's wait before this one's epilogue
+                if waits is not None:
+                    waits(c + 1)
+                following = _products(x, w_refs, chunks[c + 1])
+            _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout)
+            if c + 1 < len(chunks):
+                products = following
         if after is not None:
             after(start, block)
 
 
-def _sub_block(x, w_refs, b_refs, rope_refs, residual, out_refs, rows, layout: _Layout):
-    products = [jnp.dot(x, w[...], preferred_element_type=jnp.float32) for w in w_refs]
+def _products(x, w_refs, columns) -> list:
+    return [jnp.dot(x, w[:, columns], preferred_element_type=jnp.float32) for w in w_refs]
+
+
+def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout: _Layout):
     dtype = out_refs[0].dtype
     outs = (_finish_gated(products, dtype) if layout.gated
-            else _finish_each(products, [b[...] for b in b_refs] or [None] * len(products),
-                              dtype))
+            else _finish_each(products,
+                              [b[:, columns] for b in b_refs] or [None] * len(products), dtype))
     if residual:
-        outs = (_added(residual[0][rows, :], outs[0]),)
+        outs = (_added(residual[0][rows, columns], outs[0]),)
     for i, (out, y) in enumerate(zip(out_refs, outs)):
         if i == 0 and layout.rope is not None:
-            _store_rotated(out, y, *rope_refs, rows=rows, rope=layout.rope)
+            _store_rotated(out, y, *rope_refs, rows=rows, first_lane=columns.start,
+                           rope=layout.rope)
         else:
-            _store(out, rows, 0, y)
+            _store(out, rows, columns.start, y)
 
 
 def _store(out, rows, first_lane: int, y) -> None:
@@ -204,7 +239,8 @@ def _store(out, rows, first_lane: int, y) -> None:
         out[first_lane // d + k, rows, :] = y[:, k * d:(k + 1) * d]
 
 
-def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, rope: tuple[int, float, bool]):
+def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
+                   rope: tuple[int, float, bool]):
     """y (the product of `rows` in out's dtype: what the norm and RoPE kernel would read)
     normed and rotated a lane group at a time, as that kernel does."""
     head_dim, eps, _ = rope
@@ -214,58 +250,78 @@ def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, rope: tuple[int, f
     for g in range(y.shape[-1] // group):
         x = norm_rope_lanes(y[:, g * group:(g + 1) * group].astype(jnp.float32), cos, sin,
                             weight, head_dim=head_dim, eps=eps)
-        _store(out, rows, g * group, x.astype(out.dtype))
+        _store(out, rows, first_lane + g * group, x.astype(out.dtype))
 
 
-def _kernel(*refs, layout: _Layout):
+def _kernel(*refs, layout: _Layout, chunk: int):
     """The weights are read where they lie in the stack (XLA's slice of a layer out of a
     stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
-    step before computes, or once where one block holds them all."""
+    step before computes, or once where one block holds them all. The first block comes in
+    chunks of `chunk` columns, each waited for just before its products: the first step
+    starts after one chunk, not the whole block."""
     layer_ref, block_pages = refs[0], refs[1] if layout.paged else None
     x_ref, *refs = refs[1 + layout.paged:]
     w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
     if layout.paged:  # then: the pools in (aliased), the pools out, the staging buffer
-        *step_refs, _, _, k_pages, v_pages, w_vmem, copied, staging, page_sems = rest
+        *step_refs, _, _, k_pages, v_pages, w_vmem, copied, first, staging, page_sems = rest
     else:
-        *step_refs, w_vmem, copied = rest
+        *step_refs, w_vmem, copied, first = rest
     slots, columns = w_vmem.shape[0], w_vmem.shape[-1]
     j, blocks = pl.program_id(1), pl.num_programs(1)
     step, steps = pl.program_id(0) * blocks + j, pl.num_programs(0) * blocks
 
     sources = [(w, i) for w, n in zip(w_hbm, layout.groups) for i in range(n)]
 
-    def copies(block, slot):
-        return [pltpu.make_async_copy(w.at[layer_ref[0], i, :, pl.ds(block * columns, columns)],
-                                      w_vmem.at[slot, k], copied.at[slot, k])
-                for k, (w, i) in enumerate(sources)]
+    def copies(block, slot, sems, cols=pl.ds(0, columns)):
+        return [pltpu.make_async_copy(
+            w.at[layer_ref[0], i, :, pl.ds(block * columns + cols.start, cols.size)],
+            w_vmem.at[slot, k, :, cols], sems.at[k]) for k, (w, i) in enumerate(sources)]
 
-    def wait(block, slot):
-        for c in copies(block, slot):
-            c.wait()
+    def first_chunk(c):
+        return copies(0, 0, first.at[c], pl.ds(c * chunk, chunk))
 
     @pl.when(step == 0)
     def _():
-        for c in copies(0, 0):
-            c.start()
+        for c in range(columns // chunk):
+            for copy in first_chunk(c):
+                copy.start()
     slot = step % slots
-    if slots == 1:
-        pl.when(step == 0)(lambda: wait(0, 0))
-    else:
+    if slots == 2:
         @pl.when(step + 1 < steps)
         def _():
-            for c in copies((j + 1) % blocks, 1 - slot):
+            for c in copies((j + 1) % blocks, 1 - slot, copied.at[1 - slot]):
                 c.start()
-        wait(j, slot)
+
+        @pl.when(step > 0)
+        def _():
+            for c in copies(j, slot, copied.at[slot]):
+                c.wait()
+
+    def ready(c):
+        for copy in first_chunk(c):
+            copy.wait()
     weights = [w_vmem.at[slot, k] for k in range(layout.weights)]
+
+    def compute(*step_refs, after=None):
+        """Each step's products, the first step's each after its chunk of weights: two
+        bodies, so that no wait stands between the other steps' chunks."""
+        run = functools.partial(_step, x_ref, *weights, *step_refs, layout=layout,
+                                chunk=chunk, after=after)
+        if chunk == columns:
+            pl.when(step == 0)(lambda: ready(0))
+            run()
+            return
+        pl.when(step == 0)(functools.partial(run, ready=ready))
+        pl.when(step > 0)(run)
     if not layout.paged:
-        _step(x_ref, *weights, *step_refs, layout=layout)
+        compute(*step_refs)
         return
     page_slot = step % 2
     pages = _PageCopies(layer_ref[0], block_pages, staging, (k_pages, v_pages), page_sems,
                         pl.program_id(0), j)
     pl.when(step >= 2)(lambda: pages.wait(page_slot))  # the slot's copies of two steps ago
-    _step(x_ref, *weights, *step_refs, *pages.buffers(page_slot), layout=layout,
-          after=functools.partial(pages.start, page_slot))
+    compute(*step_refs, *pages.buffers(page_slot),
+            after=functools.partial(pages.start, page_slot))
 
     @pl.when(step == steps - 1)
     def _():
@@ -354,6 +410,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     if x_norm is not None:
         x_norm.check(depth, blocks, width)
     slots = 1 if blocks.all_columns(width) else 2
+    chunk = first_chunk_columns(tokens, width, blocks)
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps)
@@ -364,7 +421,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)])]
     out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout),
+        functools.partial(_kernel, layout=layout, chunk=chunk),
         name=name,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
@@ -377,7 +434,9 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             + out.in_specs(),
             out_specs=out.specs(),
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
-                            pltpu.SemaphoreType.DMA((slots, n))] + out.scratch()),
+                            pltpu.SemaphoreType.DMA((slots, n)),
+                            pltpu.SemaphoreType.DMA((blocks.columns // chunk, n))]
+            + out.scratch()),
         out_shape=out.shapes(),
         input_output_aliases=out.aliases(len(scalars) + len(operands)),
         # sequential: a step copies in the next step's weights (and writes the pages of the

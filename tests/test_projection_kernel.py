@@ -196,6 +196,45 @@ def test_a_step_of_many_rows_is_computed_in_sub_blocks():
     assert not interpret_pallas_call.races.races_found
 
 
+def test_the_first_steps_weights_arrive_in_chunks():
+    """Where a step holds every column and there are several steps, the first step waits
+    for each chunk of 256 columns of the weights just before its products (race detection):
+    q's norm and RoPE, k's and v's group with biases, into pages too, give the bits of
+    steps of 256 columns; with those, the residual add, x's norm, and gate and up are within
+    tolerance of the references."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.projection_kernel import InputNorm, PageWrite, first_chunk_columns
+    from kernels.rope_kernel import HeadRope, rope_lane_tables
+    x, kv, b, weight, r, pool = _arrays(jnp.bfloat16, 13, (64, 256), (2, 2, 256, 768),
+                                        (768,), (128,), (64, 768), (2, 6, 5, 16, 128))
+    cos, sin = rope_lane_tables(jnp.arange(64) * 3, 128, 1e6)
+    rope, norm = HeadRope(cos, sin, 1 + weight / 4, 128, 1e-6), InputNorm(1 + b[:256], 1e-6)
+    pages = PageWrite(pool, pool, jnp.asarray([3, 0, 2, 1], jnp.int32))
+    interpret = pltpu.InterpretParams(detect_races=True)
+    whole = ProjectionBlocks(16, 768)
+    assert first_chunk_columns(64, 768, whole) == 256 < whole.columns
+
+    def rotated(fn, blocks):
+        kw = dict(blocks=blocks, interpret=interpret)
+        return (fn(x, (kv,), (b, b), layer=1, rope=rope, **kw)
+                + fn(x, (kv,), (b, b), layer=0, rope=rope, pages=pages, **kw))
+
+    def normed(up, gated, blocks):
+        kw = dict(blocks=blocks, interpret=interpret)
+        return (up(x, (kv[:, 0],), layer=1, residual=r, x_norm=norm, **kw)
+                + (gated(x, kv[:, 0], kv[:, 1], layer=0, x_norm=norm, **kw),))
+
+    got = rotated(project, whole)
+    for g, c in zip(got, rotated(project, ProjectionBlocks(16, 256))):
+        np.testing.assert_array_equal(_f32(g), _f32(c))
+    got += normed(project, gated_up, whole)
+    want = (rotated(project_reference, None)
+            + normed(project_reference, gated_up_reference, None))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_f32(g), _f32(w), rtol=2 ** -7, atol=3e-2)
+    assert not interpret_pallas_call.races.races_found
+
+
 @pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128),
                                     ProjectionBlocks(32, 256), ProjectionBlocks(64, 128)])
 def test_k_and_v_go_into_their_pages(blocks):

@@ -9,9 +9,19 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
-from kernels.projection_kernel import ProjectionBlocks, projection_blocks, projection_bytes
+from kernels.projection_kernel import (
+    ProjectionBlocks,
+    first_chunk_columns,
+    projection_blocks,
+    projection_bytes,
+)
 from kernels.rope_kernel import rope_block_tokens
-from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, KernelSchedule, estimate_seconds
+from profiling.v6e.schedule import (
+    V6E_CLOCK_HZ,
+    V6E_HBM_BYTES_PER_S,
+    KernelSchedule,
+    estimate_seconds,
+)
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
 
@@ -81,21 +91,46 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
                         blocks: ProjectionBlocks | None = None) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
-    grid steps, each at the larger of its bundles and its share of the bytes the kernel moves
-    (the listing holds every block's DMA in every step, where the pipeline skips a block that
-    did not change), after its fill: the first block of x and of the weights, copied in
-    before the first step with nothing to overlap them. Into pages, its outputs' bytes are
-    the pages'."""
+    fill (the first block of x and the first chunk of the first weight block, copied in
+    before the first step with nothing to overlap them), its first step (the rest of that
+    weight block arriving while it computes, each chunk's products after their chunk: the
+    larger of its bundles and those bytes, plus the last chunk's share of its bundles), then
+    its other steps, each at the larger of its bundles and its share of the rest of the bytes
+    the kernel moves (the listing holds every block's DMA in every step, where the pipeline
+    skips a block that did not change). Into pages, its outputs' bytes are the pages'."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
-    first = (blocks.rows + weights * blocks.columns) * depth * itemsize
-    moved = projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
-                             blocks, rope_group) - first
-    fill_s = first / V6E_HBM_BYTES_PER_S
+    block_weights = weights * depth * blocks.columns * itemsize
+    chunk = first_chunk_columns(tokens, width, blocks)
+    fill = blocks.rows * depth * itemsize + block_weights * chunk // blocks.columns
+    later = block_weights - block_weights * chunk // blocks.columns  # during the first step
+    step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
+                                   blocks, rope_group) - fill - later) / steps
+    first, others = _first_step_bundles(schedule, chunk < blocks.columns)
+    last_chunk = first * chunk / blocks.columns if later else 0
+    first_s = max(first / V6E_CLOCK_HZ, (later + step_bytes) / V6E_HBM_BYTES_PER_S
+                  + last_chunk / V6E_CLOCK_HZ)
+    other_s = max(others / V6E_CLOCK_HZ, step_bytes / V6E_HBM_BYTES_PER_S)
+    fill_s = fill / V6E_HBM_BYTES_PER_S
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
-            "step_bundles": schedule.step_bundles(), "fill_s": fill_s,
-            "v6e_estimate_s": fill_s + estimate_seconds(schedule, steps,
-                                                        step_bytes=moved / steps)}
+            "step_bundles": others, "first_step_bundles": first, "fill_s": fill_s,
+            "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s
+            + (schedule.prologue + schedule.epilogue) / V6E_CLOCK_HZ}
+
+
+def _first_step_bundles(schedule: KernelSchedule, chunked: bool) -> tuple[float, float]:
+    """Bundles of the first step and of each other step. With its first weight block in
+    chunks (kernels.projection_kernel.first_chunk_columns), the kernel's step is two bodies
+    under `pl.when`, the first step's then the others': read as the two spans of one depth,
+    one after the other, with the most bundles between them."""
+    if not chunked:
+        return schedule.step_bundles(), schedule.step_bundles()
+    pairs = [(a.bundles + b.bundles, i) for i, (a, b)
+             in enumerate(zip(schedule.spans, schedule.spans[1:])) if a.depth == b.depth]
+    if not pairs:
+        raise ValueError(f"{schedule.name}: no first-step and other-step bodies in its step")
+    _, i = max(pairs)
+    return schedule.step_bundles({i + 1: 1}), schedule.step_bundles({i: 1})
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,
