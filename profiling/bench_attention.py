@@ -38,7 +38,7 @@ from kernels.backends import KERNEL_BACKENDS, select_kernels
 from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
-from profiling.v6e.kernel_estimates import attention_estimate
+from profiling.v6e.kernel_estimates import AttentionBlocks, attention_estimate
 from profiling.v6e.roofline import roofline
 from profiling.timing import TRACE_DEVICE_TIME, WALL_CLOCK, op_time, subdir, wall_time, write_json
 from profiling.v6e.schedule import compile_schedules, estimate_seconds
@@ -144,8 +144,10 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
         schedule = result["kernels"]["ragged_paged_attention"]
         batch = make_batch(*SHAPES[name], heads, sizes)[0]
         steps, _, cost = work(batch, heads, sizes, itemsize=2)
-        out[name] = attention_estimate(schedule, batch.attention.plan, steps,
-                                       cost.bytes_accessed)
+        out[name] = attention_estimate(
+            schedule, batch.attention.plan, steps, cost.bytes_accessed,
+            AttentionBlocks(sizes.q_block * heads.q // heads.kv, heads.kv, heads.dim,
+                            sizes.kv_block, 2))
     return out
 
 

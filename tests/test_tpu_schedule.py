@@ -113,6 +113,21 @@ def test_a_loop_with_a_runtime_bound_counts_as_the_caller_says():
     assert s.step_bundles(loop_trips={0: 4}) == 14
 
 
+def test_a_pipelines_fill_and_drain_cost_their_bytes_unless_its_steps_wait_on_dmas():
+    """The fill and drain bytes come out of the steps' share and are costed alone: on top
+    where the steps are bound by their bundles, for nothing where by their DMAs."""
+    s = KernelSchedule("k", total_bundles=1720, prologue=10, step=1700, epilogue=10,
+                       step_units={}, step_hbm_dma_bytes=0, step_unsized_dmas=0, spans=(),
+                       inner_loops=())
+    us, ends = V6E_HBM_BYTES_PER_S * 1e-6, 20 / V6E_CLOCK_HZ
+
+    def estimate(step_us, **kw):
+        return estimate_seconds(s, 4, step_bytes=step_us * us, **kw) - ends
+    compute_bound = estimate(0.5, fill_bytes=us, drain_bytes=us)
+    assert compute_bound == pytest.approx(estimate(0.5) + 2e-6) == pytest.approx(6e-6)
+    assert estimate(2.0, fill_bytes=us, drain_bytes=us) == pytest.approx(estimate(2.0))
+
+
 def test_label_gather_schedules_loop_over_labels_and_size_their_dmas():
     """Labels only: the loops that start a chunk's copies have a runtime bound (the chunk's
     (run, label) pairs), each trip a DMA of one tile of 8 head rows. Streamed over a vocabulary

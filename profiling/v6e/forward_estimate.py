@@ -28,6 +28,7 @@ from model.decoder import (
 )
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
+    AttentionBlocks,
     attention_estimate,
     kv_write_estimate,
     label_gather_estimate,
@@ -131,8 +132,10 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     """Each kernel of the forward at the batch's real work."""
     plan, d = host_plan(batch.attention, sizes, page_size), pool_head_dim(cfg, "pallas")
     steps = visited_kv_blocks(plan)
-    attn = attention_cost(steps, real_q_blocks(plan), sizes.q_block * cfg.num_heads
-                          // cfg.num_kv_heads, cfg.num_kv_heads, d, sizes.kv_block, 2)
+    attn_blocks = AttentionBlocks(sizes.q_block * cfg.num_heads // cfg.num_kv_heads,
+                                  cfg.num_kv_heads, d, sizes.kv_block, 2)
+    attn = attention_cost(steps, real_q_blocks(plan), attn_blocks.rows, cfg.num_kv_heads, d,
+                          sizes.kv_block, 2)
     page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
     real_pages = int(np.sum(page_ids < _POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
@@ -159,7 +162,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     return {
         **rope, **projections, **kv_write,
         "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
-                                        attn.bytes_accessed),
+                                        attn.bytes_accessed, attn_blocks),
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}

@@ -2,6 +2,8 @@
 (`profiling.v6e.schedule`: a model, no TPU ran them). Shared by the kernel studies and the
 forward's estimate, which compile the kernels in different programs.
 """
+import dataclasses
+
 from kernels.attention_plan import AttentionPlan, real_q_blocks
 from kernels.label_gather_kernel import (
     head_tile_rows,
@@ -16,6 +18,7 @@ from kernels.projection_kernel import (
     projection_bytes,
 )
 from kernels.rope_kernel import rope_block_tokens
+from kernels.tpu_tiles import SUBLANES
 from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
     V6E_HBM_BYTES_PER_S,
@@ -27,18 +30,42 @@ GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "lab
 
 
 def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int,
-                       kernel_bytes: float) -> dict:
+                       kernel_bytes: float, blocks: "AttentionBlocks") -> dict:
     """The attention kernel over `steps` real steps of `plan`, moving `kernel_bytes` (its own
-    count: the listing also holds the first step's prefetch, predicated). The once-per-q-block
-    spans (the first step's init, the last step's store) run once per real q block."""
+    count: the listing also holds the first step's prefetch, predicated), after its fill (the
+    first q block and KV block) and before its drain (the last q block's output). The
+    once-per-q-block spans (the first step's init, the last step's store) run once per real q
+    block."""
     once_per_q_block = {i: 1 - real_q_blocks(plan) / steps
                         for i, span in enumerate(schedule.spans) if span.depth == 2}
     step_bytes = kernel_bytes / steps
     return {"step_bundles": schedule.step_bundles(once_per_q_block),
             "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
             "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
+            "fill_s": blocks.fill / V6E_HBM_BYTES_PER_S,
+            "drain_s": blocks.drain / V6E_HBM_BYTES_PER_S,
             "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=once_per_q_block,
-                                               step_bytes=step_bytes)}
+                                               step_bytes=step_bytes, fill_bytes=blocks.fill,
+                                               drain_bytes=blocks.drain)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Bytes of the attention kernel's first step's blocks (a q block of `rows` rows per KV
+    head, a KV block of K and V) and of its last output block."""
+    rows: int
+    kv_heads: int
+    head_dim: int
+    kv_block: int
+    itemsize: int
+
+    @property
+    def fill(self) -> int:
+        return self.kv_heads * self.head_dim * self.itemsize * (self.rows + 2 * self.kv_block)
+
+    @property
+    def drain(self) -> int:
+        return self.kv_heads * self.head_dim * self.itemsize * self.rows
 
 
 def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
@@ -50,23 +77,30 @@ def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
 
 
 def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab: int,
-                          hidden: int, labels: int, kernel_bytes: float) -> dict:
+                          hidden: int, labels: int, kernel_bytes: float,
+                          itemsize: int = 2) -> dict:
     """The gather kernel of `mode` on `rows` rows of `labels` labels (streamed: one call per
     group of `label_groups`, each streaming the head), each loop with a runtime bound run once
     per label of its call: the streamed kernel's loop over labels; labels only, with one
     label run, an upper bound (its loops over a chunk's tiles and labels run once per label,
     its loop over chunks once, its scan for the next run never). A head tile clamped at the
     vocabulary's end has a runtime size: then the step's bytes are `kernel_bytes` (the
-    calls' own count) per step."""
+    calls' own count) per step. Each call's fill: its first block of hidden rows and of
+    head rows (its outputs, a few floats a row, drain in no time)."""
     calls = label_groups(labels) if mode == "streamed_logsumexp" else [labels]
     steps = label_gather_steps(mode, rows, vocab, hidden)
     step_bytes = kernel_bytes / steps / len(calls) if schedule.step_unsized_dmas else None
+    fill = itemsize * hidden * (
+        streamed_row_block(rows) + head_tile_rows(vocab, hidden, itemsize)
+        if mode == "streamed_logsumexp" else label_row_block(rows) + SUBLANES)
 
     def per_label(n: int) -> dict:
         return {j: n for j, (_, trips, _) in enumerate(schedule.inner_loops) if trips is None}
     return {"step_bundles": schedule.step_bundles(loop_trips=per_label(calls[0])),
+            "fill_s": len(calls) * fill / V6E_HBM_BYTES_PER_S,
             "v6e_estimate_s": sum(estimate_seconds(schedule, steps, loop_trips=per_label(n),
-                                                   step_bytes=step_bytes) for n in calls)}
+                                                   step_bytes=step_bytes, fill_bytes=fill)
+                                  for n in calls)}
 
 
 def label_run_count(row_labels: list[list[int]]) -> int:
@@ -78,12 +112,18 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
                   itemsize: int, group: int) -> dict:
     """q's and k's norm and RoPE over `tokens`: its grid steps, each reading and writing a
     block of q and k and reading the block's two float32 tables (the listing's steps are
-    software-pipelined: a program's reading of its loop would count the pipeline's fill)."""
+    software-pipelined: a program's reading of its loop would count the pipeline's fill),
+    after the first block's reads (fill) and before the last block's writes (drain)."""
     block = rope_block_tokens(tokens, q_width * itemsize)
     step_bytes = block * (2 * (q_width + k_width) * itemsize + 2 * group * 4)
+    drain = block * (q_width + k_width) * itemsize
     return {"steps": tokens // block, "step_bundles": schedule.step_bundles(),
+            "fill_s": (step_bytes - drain) / V6E_HBM_BYTES_PER_S,
+            "drain_s": drain / V6E_HBM_BYTES_PER_S,
             "v6e_estimate_s": estimate_seconds(schedule, tokens // block,
-                                               step_bytes=step_bytes)}
+                                               step_bytes=step_bytes,
+                                               fill_bytes=step_bytes - drain,
+                                               drain_bytes=drain)}
 
 
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
@@ -97,24 +137,28 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     larger of its bundles and those bytes, plus the last chunk's share of its bundles), then
     its other steps, each at the larger of its bundles and its share of the rest of the bytes
     the kernel moves (the listing holds every block's DMA in every step, where the pipeline
-    skips a block that did not change). Into pages, its outputs' bytes are the pages'."""
+    skips a block that did not change), then its drain (the last step's output blocks,
+    written after it). Into pages, its outputs' bytes are the pages' (and its drain an upper
+    bound: the pages of a step's sub-blocks but its last are copied while it computes)."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * itemsize
     chunk = first_chunk_columns(tokens, width, blocks)
     fill = blocks.rows * depth * itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
+    drain = outputs * blocks.rows * blocks.columns * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
-                                   blocks, rope_group) - fill - later) / steps
+                                   blocks, rope_group) - fill - later - drain) / steps
     first, others = _first_step_bundles(schedule, chunk < blocks.columns)
     last_chunk = first * chunk / blocks.columns if later else 0
     first_s = max(first / V6E_CLOCK_HZ, (later + step_bytes) / V6E_HBM_BYTES_PER_S
                   + last_chunk / V6E_CLOCK_HZ)
     other_s = max(others / V6E_CLOCK_HZ, step_bytes / V6E_HBM_BYTES_PER_S)
-    fill_s = fill / V6E_HBM_BYTES_PER_S
+    fill_s, drain_s = fill / V6E_HBM_BYTES_PER_S, drain / V6E_HBM_BYTES_PER_S
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
             "step_bundles": others, "first_step_bundles": first, "fill_s": fill_s,
-            "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s
+            "drain_s": drain_s,
+            "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
             + (schedule.prologue + schedule.epilogue) / V6E_CLOCK_HZ}
 
 

@@ -19,7 +19,9 @@ The estimate, `estimate_seconds`, assumes:
   larger of its bundles at the clock and its DMA bytes at the HBM bandwidth;
 - every span of a step runs unless the caller says how often it is skipped, and every DMA
   listed in a step moves its bytes unless the caller gives the step's bytes;
-- the prologue and epilogue run once, and do not overlap anything.
+- the prologue and epilogue run once, and do not overlap anything; nor do the pipeline's fill
+  (the first blocks a kernel copies in before its first step) and drain (its last output
+  block, written after its last step), where the caller gives their bytes.
 A grid of one step compiles without a grid loop (its outermost loop would be read as the grid
 loop): compile a kernel with two steps or more, and give the estimate its real steps.
 """
@@ -229,19 +231,26 @@ def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E
                      hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S,
                      skipped: dict[int, float] | None = None,
                      step_bytes: float | None = None,
-                     loop_trips: dict[int, float] | None = None) -> float:
+                     loop_trips: dict[int, float] | None = None,
+                     fill_bytes: float = 0.0, drain_bytes: float = 0.0) -> float:
     """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue.
     `skipped` and `loop_trips` as in `KernelSchedule.step_bundles`. `step_bytes` replaces the
     listing's DMA bytes per step where the caller knows better: a DMA the compiler predicated
-    instead of branching around (the first step's prefetch, say) is listed in every step."""
+    instead of branching around (the first step's prefetch, say) is listed in every step.
+    `fill_bytes` and `drain_bytes` of the steps' bytes are the pipeline's fill (its first
+    blocks, copied in before the first step) and drain (its last output block, written after
+    the last): taken out of the steps' share and costed alone, with nothing to overlap
+    them."""
     if step_bytes is None:
         if schedule.step_unsized_dmas:
             raise ValueError(f"{schedule.name}: {schedule.step_unsized_dmas} DMAs a step have "
                              "a runtime size: pass step_bytes")
         step_bytes = schedule.step_bytes(skipped, loop_trips)
+    overlapped = max(step_bytes - (fill_bytes + drain_bytes) / steps, 0.0)
     per_step = max(schedule.step_bundles(skipped, loop_trips) / clock_hz,
-                   step_bytes / hbm_bytes_per_s)
-    return steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
+                   overlapped / hbm_bytes_per_s)
+    return (steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
+            + (fill_bytes + drain_bytes) / hbm_bytes_per_s)
 
 
 _TOTAL = re.compile(r"total scheduled bundles:\s*(\d+)")
