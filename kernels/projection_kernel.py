@@ -92,10 +92,11 @@ def _columns(width: int, fits) -> int:
 
 
 def first_chunk_columns(tokens: int, width: int, blocks: ProjectionBlocks) -> int:
-    """Columns of the first weight block's chunks: where a step holds all the weights and
-    there are two steps or more, FIRST_CHUNK_COLUMNS (or the widest lane tiles dividing the
-    width up to them); else the block whole."""
-    if not blocks.all_columns(width) or tokens // blocks.rows < 2:
+    """Columns of the first weight block's chunks: where a step holds all the weights,
+    FIRST_CHUNK_COLUMNS (or the widest lane tiles dividing the width up to them); else the
+    block whole."""
+    del tokens
+    if not blocks.all_columns(width):
         return blocks.columns
     return _columns(width, lambda c: c <= FIRST_CHUNK_COLUMNS)
 
@@ -253,7 +254,7 @@ def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
         _store(out, rows, first_lane + g * group, x.astype(out.dtype))
 
 
-def _kernel(*refs, layout: _Layout, chunk: int):
+def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
     """The weights are read where they lie in the stack (XLA's slice of a layer out of a
     stack fed to a kernel is a copy of it): a step's block of columns is copied in while the
     step before computes, or once where one block holds them all. The first block comes in
@@ -310,9 +311,11 @@ def _kernel(*refs, layout: _Layout, chunk: int):
         if chunk == columns:
             pl.when(step == 0)(lambda: ready(0))
             run()
-            return
-        pl.when(step == 0)(functools.partial(run, ready=ready))
-        pl.when(step > 0)(run)
+        elif single_step:
+            run(ready=ready)
+        else:
+            pl.when(step == 0)(functools.partial(run, ready=ready))
+            pl.when(step > 0)(run)
     if not layout.paged:
         compute(*step_refs)
         return
@@ -421,7 +424,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)])]
     out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
-        functools.partial(_kernel, layout=layout, chunk=chunk),
+        functools.partial(_kernel, layout=layout, chunk=chunk,
+                          single_step=blocks.steps(tokens, width) == 1),
         name=name,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
@@ -512,8 +516,9 @@ class InputNorm:
 def norm_fits(tokens: int, depth: int, width: int, weights: int, itemsize: int) -> bool:
     """Whether a call's kernel norms x itself: its weights whole in VMEM, so that a step
     holds every column, and at least NORM_MIN_STEPS steps of rows, over which the weights'
-    one copy, at the first, is spread (at 512 tokens, one step: Qwen3-0.6B's forward 1.642
-    -> 1.941 ms in the v6e estimate)."""
+    one copy, at the first, is spread (at 512 tokens, one step, gate and up's 12 MiB of
+    weights outlast its products: Qwen3-0.6B's forward 1.786 -> 1.828 ms in the v6e
+    estimate, with the first step's weights in chunks)."""
     blocks = row_stream_blocks(tokens, depth, width, weights, itemsize)
     return blocks is not None and tokens // blocks.rows >= NORM_MIN_STEPS
 

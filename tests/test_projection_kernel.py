@@ -197,11 +197,11 @@ def test_a_step_of_many_rows_is_computed_in_sub_blocks():
 
 
 def test_the_first_steps_weights_arrive_in_chunks():
-    """Where a step holds every column and there are several steps, the first step waits
-    for each chunk of 256 columns of the weights just before its products (race detection):
-    q's norm and RoPE, k's and v's group with biases, into pages too, give the bits of
-    steps of 256 columns; with those, the residual add, x's norm, and gate and up are within
-    tolerance of the references."""
+    """Where a step holds every column, the first step waits for each chunk of 256 columns of
+    the weights just before its products (race detection), in its own body where there are
+    more steps, or in the one step's: q's norm and RoPE, k's and v's group with biases, into
+    pages too, give the bits of steps of 256 columns; with those, the residual add, x's norm,
+    and gate and up are within tolerance of the references, in four steps and in one."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from kernels.projection_kernel import InputNorm, PageWrite, first_chunk_columns
     from kernels.rope_kernel import HeadRope, rope_lane_tables
@@ -228,10 +228,14 @@ def test_the_first_steps_weights_arrive_in_chunks():
     for g, c in zip(got, rotated(project, ProjectionBlocks(16, 256))):
         np.testing.assert_array_equal(_f32(g), _f32(c))
     got += normed(project, gated_up, whole)
+    single = ProjectionBlocks(64, 768)  # one step: its one body waits
+    assert first_chunk_columns(64, 768, single) == 256
     want = (rotated(project_reference, None)
             + normed(project_reference, gated_up_reference, None))
-    for g, w in zip(got, want):
+    for g, s, w in zip(got, rotated(project, single) + normed(project, gated_up, single),
+                       want):
         np.testing.assert_allclose(_f32(g), _f32(w), rtol=2 ** -7, atol=3e-2)
+        np.testing.assert_allclose(_f32(s), _f32(w), rtol=2 ** -7, atol=3e-2)
     assert not interpret_pallas_call.races.races_found
 
 

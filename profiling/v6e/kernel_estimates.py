@@ -149,7 +149,9 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     drain = outputs * blocks.rows * blocks.columns * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
                                    blocks, rope_group) - fill - later - drain) / steps
-    first, others = _first_step_bundles(schedule, chunk < blocks.columns)
+    first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1)
+    if steps == 1:  # no grid loop: the listing's prologue is the step
+        first = others = schedule.prologue + schedule.step
     last_chunk = first * chunk / blocks.columns if later else 0
     first_s = max(first / V6E_CLOCK_HZ, (later + step_bytes) / V6E_HBM_BYTES_PER_S
                   + last_chunk / V6E_CLOCK_HZ)
@@ -159,7 +161,7 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
             "step_bundles": others, "first_step_bundles": first, "fill_s": fill_s,
             "drain_s": drain_s,
             "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
-            + (schedule.prologue + schedule.epilogue) / V6E_CLOCK_HZ}
+            + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E_CLOCK_HZ}
 
 
 def _first_step_bundles(schedule: KernelSchedule, chunked: bool) -> tuple[float, float]:
