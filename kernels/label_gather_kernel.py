@@ -115,6 +115,18 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
     j = pl.program_id(1)
     tile = head_ref.shape[0]
 
+    def each_label(body):  # the real labels only: the wrapper zeroes the rest
+        def step(k, carry):
+            body(k)
+            return carry
+        jax.lax.fori_loop(0, counts_ref[1], step, 0)
+
+    def zero(k):
+        acc_ref[k] = jnp.zeros(acc_ref.shape[1:], jnp.float32)
+
+    def write(k):
+        out_ref[k] = acc_ref[k]
+
     @pl.when(j == 0)
     def _():
         def norm_rows(c, carry):  # a [rows, hidden] float32 value: 8 MiB of VMEM at 256 x 8192
@@ -125,7 +137,7 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
         jax.lax.fori_loop(0, x_ref.shape[0] // SUBLANES, norm_rows, 0)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        each_label(zero)
 
     logits = jax.lax.dot_general(x_ref[...], head_ref[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
@@ -147,7 +159,7 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _():
-        out_ref[...] = acc_ref[...]
+        each_label(write)
         lse_ref[...] = (m_ref[...] + jnp.log(s_ref[...]))[:, :1]
 
 
@@ -266,7 +278,8 @@ def _streamed(counts, *, hidden, norm, head, labels, row_block, vocab_tile, inte
         cost_estimate=streamed_cost(r, k, v, h, row_block, head.dtype.itemsize),
         interpret=interpret,
     )(counts, hidden, norm.reshape(1, h), head, _by_label(labels))
-    return logits[:, :, 0].T, lse[:, 0]
+    real = jnp.arange(k)[:, None] < counts[1]  # labels past the real ones: never written
+    return jnp.where(real, logits[:, :, 0], 0.0).T, lse[:, 0]
 
 
 def _by_label_groups(streamed, counts, labels, group: int):
