@@ -91,11 +91,10 @@ def _columns(width: int, fits) -> int:
                        and (t == 1 or fits(t * LANES)))
 
 
-def first_chunk_columns(tokens: int, width: int, blocks: ProjectionBlocks) -> int:
+def first_chunk_columns(width: int, blocks: ProjectionBlocks) -> int:
     """Columns of the first weight block's chunks: where a step holds all the weights,
     FIRST_CHUNK_COLUMNS (or the widest lane tiles dividing the width up to them); else the
     block whole."""
-    del tokens
     if not blocks.all_columns(width):
         return blocks.columns
     return _columns(width, lambda c: c <= FIRST_CHUNK_COLUMNS)
@@ -413,7 +412,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     if x_norm is not None:
         x_norm.check(depth, blocks, width)
     slots = 1 if blocks.all_columns(width) else 2
-    chunk = first_chunk_columns(tokens, width, blocks)
+    chunk = first_chunk_columns(width, blocks)
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps)

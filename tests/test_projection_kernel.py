@@ -212,7 +212,7 @@ def test_the_first_steps_weights_arrive_in_chunks():
     pages = PageWrite(pool, pool, jnp.asarray([3, 0, 2, 1], jnp.int32))
     interpret = pltpu.InterpretParams(detect_races=True)
     whole = ProjectionBlocks(16, 768)
-    assert first_chunk_columns(64, 768, whole) == 256 < whole.columns
+    assert first_chunk_columns(768, whole) == 256 < whole.columns
 
     def rotated(fn, blocks):
         kw = dict(blocks=blocks, interpret=interpret)
@@ -229,7 +229,7 @@ def test_the_first_steps_weights_arrive_in_chunks():
         np.testing.assert_array_equal(_f32(g), _f32(c))
     got += normed(project, gated_up, whole)
     single = ProjectionBlocks(64, 768)  # one step: its one body waits
-    assert first_chunk_columns(64, 768, single) == 256
+    assert first_chunk_columns(768, single) == 256
     want = (rotated(project_reference, None)
             + normed(project_reference, gated_up_reference, None))
     for g, s, w in zip(got, rotated(project, single) + normed(project, gated_up, single),

@@ -143,7 +143,7 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * itemsize
-    chunk = first_chunk_columns(tokens, width, blocks)
+    chunk = first_chunk_columns(width, blocks)
     fill = blocks.rows * depth * itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
     drain = outputs * blocks.rows * blocks.columns * itemsize
