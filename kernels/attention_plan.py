@@ -132,32 +132,37 @@ def _token_rows(cu, kv_lens, n_tokens: int):
     # A token's sequence: how many offsets lie at or below it (S + 1 compares a token).
     seq = jnp.searchsorted(cu, t, side="right", method="compare_all").astype(jnp.int32) - 1
     s = jnp.clip(seq, 0, len(kv_lens) - 1)
-    pos = jnp.where(real, kv_lens[s] - cu[s + 1] + t, -1)
+    pos = jnp.where(real, _lookup(kv_lens - cu[1:], s) + t, -1)
     return pos, jnp.where(real, seq, -1)
 
 
+def _lookup(table, index):
+    """table[index] for a short table and many indices, as compares and a sum: a gather of
+    one element a token costs TPU programs some 5 bundles an element (docs/tpu_v6e.md)."""
+    hit = index[:, None] == jnp.arange(len(table), dtype=index.dtype)
+    return jnp.sum(jnp.where(hit, table, 0), axis=1, dtype=table.dtype)
+
+
 class _Segments(NamedTuple):
-    """The (block, sequence) pieces of the real tokens, padded to a bound. A segment lies in
-    one block, so a reduction over each is one over its block's row: no scan (a log-depth
-    scan of pairs took a second of XLA's CPU compile each)."""
+    """The (block, sequence) pieces of the real tokens, padded to a bound. A reduction over
+    each is a masked one over the tokens: no scan (a log-depth scan of pairs took a second
+    of XLA's CPU compile each)."""
     first: jax.Array   # [size] each segment's first token
     last: jax.Array    # [size] and its last (padding segments: an empty or any range)
     seq: jax.Array     # [size] and its sequence
     count: jax.Array   # [] real segments
-    block: int
 
     @property
     def real(self):
         return jnp.arange(len(self.first)) < self.count
 
     def reduce(self, op, x, fill):
-        """`op` (jnp.min or jnp.max) of `x` over each segment's tokens."""
-        rows = _ceil_div(len(x), self.block)
-        x = jnp.pad(x, (0, rows * self.block - len(x))).reshape(rows, self.block)
-        row = self.first // self.block
-        t = row[:, None] * self.block + jnp.arange(self.block, dtype=jnp.int32)
+        """`op` (jnp.min or jnp.max) of `x` over each segment's tokens: over every token,
+        masked (a gather of each segment's block row cost TPU programs more than the
+        compares)."""
+        t = jnp.arange(len(x), dtype=jnp.int32)
         inside = (t >= self.first[:, None]) & (t <= self.last[:, None])
-        return op(jnp.where(inside, x[row], fill), axis=1)
+        return op(jnp.where(inside, x, fill), axis=1)
 
 
 def _segments(cu, seq, block: int) -> _Segments:
@@ -178,7 +183,7 @@ def _segments(cu, seq, block: int) -> _Segments:
     count = jnp.sum(valid, dtype=jnp.int32)
     last = jnp.where(k + 1 < count, jnp.roll(first, -1) - 1, n_real - 1)
     return _Segments(first.astype(jnp.int32), jnp.clip(last, 0, n_tokens - 1),
-                     jnp.maximum(seq[first], 0), count, block)
+                     jnp.maximum(seq[first], 0), count)
 
 
 def expand_ranges(starts, counts, size: int):
@@ -191,8 +196,7 @@ def expand_ranges(starts, counts, size: int):
     j = jnp.minimum(jnp.arange(size, dtype=jnp.int32), jnp.maximum(total - 1, 0))
     which = jnp.searchsorted(ends, j, side="right", method="compare_all").astype(jnp.int32)
     which = jnp.minimum(which, len(counts) - 1)
-    value = starts[which] + j - (ends[which] - counts[which])
-    return which, value, total
+    return which, j + _lookup(starts - ends + counts, which), total
 
 
 def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
@@ -201,7 +205,7 @@ def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
     positions past it, each row seeing at most item_kv_block of them, and they lie past the
     KV block the query ends in (a block the item rows visit anyway); else its kv_len."""
     s = jnp.maximum(seq, 0)
-    past = jnp.where(real, pos - jnp.maximum(vis, shared_lens[s]) + 1, 0)
+    past = jnp.where(real, pos - jnp.maximum(vis, _lookup(shared_lens, s)) + 1, 0)
     of_seq = (seg.seq == jnp.arange(len(shared_lens))[:, None]) & seg.real  # [S, segments]
     past_query = jnp.max(jnp.where(of_seq, seg.reduce(jnp.max, past, 0), 0), axis=1)
     query_blocks_end = _ceil_div(shared_lens, sizes.kv_block) * sizes.kv_block
@@ -231,7 +235,8 @@ def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockS
                        0)
     which, kv, total = expand_ranges(starts, counts, max_steps)
     segment = which // 2
-    return _or_zeros(total, first[segment] // sizes.q_block, s[segment], kv), total
+    return _or_zeros(total, _lookup(first // sizes.q_block, segment), _lookup(s, segment),
+                     kv), total
 
 
 def _item_window_steps(pos, vis, seq, real, seg: _Segments, splits, sizes: BlockSizes,
@@ -249,8 +254,8 @@ def _item_window_steps(pos, vis, seq, real, seg: _Segments, splits, sizes: Block
     valid = seg.real & (hi >= 0)
     counts = jnp.where(valid, _ceil_div(hi + 1 - lo, sizes.item_kv_block), 0)
     which, k, total = expand_ranges(jnp.zeros_like(lo), counts, max_steps)
-    return _or_zeros(total, first[which] // sizes.item_q_block, s[which],
-                     lo[which] + k * sizes.item_kv_block), total
+    return _or_zeros(total, _lookup(first // sizes.item_q_block, which), _lookup(s, which),
+                     _lookup(lo, which) + k * sizes.item_kv_block), total
 
 
 def _or_zeros(total, *fields):
