@@ -198,13 +198,13 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
         chunks = [pl.ds(first, chunk) for first in range(0, w_refs[0].shape[-1], chunk)]
         products = _products(x, w_refs, chunks[0])
         for c, columns in enumerate(chunks):
+            following = None
             if c + 1 < len(chunks):  # the next chunk's wait before this one's epilogue
                 if waits is not None:
                     waits(c + 1)
                 following = _products(x, w_refs, chunks[c + 1])
             _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout)
-            if c + 1 < len(chunks):
-                products = following
+            products = following
         if after is not None:
             after(start, block)
 
@@ -399,7 +399,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
     n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
-    blocks = blocks or _default_blocks(x, n, width, pages, x_norm)
+    blocks = blocks or call_blocks(tokens, depth, width, n, x.dtype.itemsize,
+                                   pages and pages.k_pages.shape[3], x_norm is not None)
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
@@ -487,14 +488,16 @@ def page_write_blocks(tokens: int, depth: int, width: int, itemsize: int,
             or projection_blocks(tokens, depth, width, 2, itemsize))
 
 
-def _default_blocks(x, weights: int, width: int, pages, x_norm) -> ProjectionBlocks:
-    tokens, depth = x.shape
-    if pages is not None:
-        return page_write_blocks(tokens, depth, width, x.dtype.itemsize, pages.k_pages.shape[3])
-    if x_norm is not None:  # each block of x normed once (InputNorm.check refuses the rest)
-        return (row_stream_blocks(tokens, depth, width, weights, x.dtype.itemsize)
-                or projection_blocks(tokens, depth, width, weights, x.dtype.itemsize))
-    return projection_blocks(tokens, depth, width, weights, x.dtype.itemsize)
+def call_blocks(tokens: int, depth: int, width: int, weights: int, itemsize: int,
+                page_size: int | None = None, normed: bool = False) -> ProjectionBlocks:
+    """A call's blocks where its caller gives none: into pages of `page_size` rows, the
+    pages' (page_write_blocks); with x's norm, every column a step where the weights fit, so
+    that each block of x is normed once (InputNorm.check refuses the rest); else the
+    projection's own."""
+    if page_size is not None:
+        return page_write_blocks(tokens, depth, width, itemsize, page_size)
+    own = projection_blocks(tokens, depth, width, weights, itemsize)
+    return (row_stream_blocks(tokens, depth, width, weights, itemsize) or own) if normed else own
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from kernels.attention_plan import (
     visited_kv_blocks,
 )
 from kernels.backends import KERNEL_BACKENDS, select_kernels
-from kernels.ragged_paged_attention_kernel import attention_cost, ragged_paged_attention
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from profiling.v6e.kernel_estimates import AttentionBlocks, attention_estimate
@@ -95,9 +95,12 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):
     pos = plan.token_pos
     block_ends = (pos[b:b + sizes.q_block].max() for b in range(0, len(pos), sizes.q_block))
     dense = int(sum(p // sizes.kv_block + 1 for p in block_ends if p >= 0))
-    rows = sizes.q_block * heads.q // heads.kv
-    return visited, dense, attention_cost(visited, real_q_blocks(plan), rows, heads.kv,
-                                          heads.dim, sizes.kv_block, itemsize)
+    return visited, dense, _blocks(heads, sizes, itemsize).cost(visited, real_q_blocks(plan))
+
+
+def _blocks(heads: Heads, sizes: BlockSizes, itemsize: int) -> AttentionBlocks:
+    return AttentionBlocks(sizes.q_block * heads.q // heads.kv, heads.kv, heads.dim,
+                           sizes.kv_block, itemsize)
 
 
 def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int,
@@ -144,10 +147,8 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
         schedule = result["kernels"]["ragged_paged_attention"]
         batch = make_batch(*SHAPES[name], heads, sizes)[0]
         steps, _, cost = work(batch, heads, sizes, itemsize=2)
-        out[name] = attention_estimate(
-            schedule, batch.attention.plan, steps, cost.bytes_accessed,
-            AttentionBlocks(sizes.q_block * heads.q // heads.kv, heads.kv, heads.dim,
-                            sizes.kv_block, 2))
+        out[name] = attention_estimate(schedule, batch.attention.plan, steps,
+                                       cost.bytes_accessed, _blocks(heads, sizes, 2))
     return out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
-from kernels.projection_kernel import page_write_blocks, row_stream_blocks
+from kernels.projection_kernel import call_blocks
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -17,7 +17,6 @@ from kernels.label_gather_kernel import (
     streamed_row_block,
 )
 from kernels.ragged_paged_attention import written_pages
-from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
 from model.decoder import (
@@ -134,8 +133,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     steps = visited_kv_blocks(plan)
     attn_blocks = AttentionBlocks(sizes.q_block * cfg.num_heads // cfg.num_kv_heads,
                                   cfg.num_kv_heads, d, sizes.kv_block, 2)
-    attn = attention_cost(steps, real_q_blocks(plan), attn_blocks.rows, cfg.num_kv_heads, d,
-                          sizes.kv_block, 2)
+    attn = attn_blocks.cost(steps, real_q_blocks(plan))
     page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
     real_pages = int(np.sum(page_ids < _POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
@@ -153,7 +151,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        blocks.get(name))
+        blocks[name])
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
@@ -170,18 +168,16 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
 
 def _projection_blocks(cfg: ModelConfig, tokens: int, page_size: int,
                        into_pages: bool) -> dict:
-    """The calls whose blocks are not the projection's own (model.decoder): k's and v's
-    into pages, and the calls that norm their input, every column a step."""
+    """Each call's blocks, as the model's calls take them (model.decoder): k's and v's into
+    pages, the input norms in the calls that read them where they fit."""
     shapes = projection_shapes(cfg)
     norms = norms_in_kernels(cfg, tokens, shapes["project_q"][1], shapes["project_kv"][1],
                              shapes["gate_up"][1], 2)
     normed = (("project_q", "project_kv") if norms.attention else ()) + (
         ("gate_up",) if norms.mlp else ())
-    blocks = {name: row_stream_blocks(tokens, *shapes[name][:3], 2) for name in normed}
-    if into_pages:
-        blocks["project_kv"] = page_write_blocks(tokens, *shapes["project_kv"][:2], 2,
-                                                 page_size)
-    return blocks
+    return {name: call_blocks(tokens, *shapes[name][:3], 2,
+                              page_size if into_pages and name == "project_kv" else None,
+                              name in normed) for name in shapes}
 
 
 def _rope_estimate(cfg: ModelConfig, shape: BatchShape, schedule) -> dict:

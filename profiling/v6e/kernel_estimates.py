@@ -17,6 +17,7 @@ from kernels.projection_kernel import (
     projection_blocks,
     projection_bytes,
 )
+from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import rope_block_tokens
 from kernels.tpu_tiles import SUBLANES
 from profiling.v6e.schedule import (
@@ -66,6 +67,11 @@ class AttentionBlocks:
     @property
     def drain(self) -> int:
         return self.kv_heads * self.head_dim * self.itemsize * self.rows
+
+    def cost(self, steps: int, q_blocks: int):
+        """The kernel's cost at `steps` real steps over `q_blocks` q blocks."""
+        return attention_cost(steps, q_blocks, self.rows, self.kv_heads, self.head_dim,
+                              self.kv_block, self.itemsize)
 
 
 def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
