@@ -17,6 +17,11 @@ positions below its `kv_split`, the query's L, and item steps cover the rest: pe
 `item_q_block` tokens, windows of `item_kv_block` positions from the first one its rows see
 past L, page-aligned. A row of short items then costs a few window columns past the query,
 where KV blocks of 128 would cost 128 or 256.
+
+Tiles (the Pallas kernel's, where the block sizes name one): a step's q block and KV block
+are cut into tiles of `tile` rows and keys, and each step carries a bit per tile that some row
+of its segment sees a key of; the kernel skips the others. Items' rows see the query and
+their own item, so most of a block's tiles are masked whole.
 """
 import dataclasses
 from typing import NamedTuple
@@ -34,6 +39,8 @@ class BlockSizes:
     kv_block: int = 128     # KV positions per block, a multiple of the page size
     item_q_block: int = 0   # query tokens per item step (0: no item steps)
     item_kv_block: int = 0  # KV positions per item window, a multiple of the page size
+    tile: int = 0           # rows and keys of the tiles a kernel step skips where no row sees
+    #                         a key (0: none), dividing both blocks, a multiple of the page size
 
     def check(self, page_size: int) -> None:
         if (self.q_block % 8 or self.kv_block % page_size or self.item_q_block % 8
@@ -41,6 +48,20 @@ class BlockSizes:
                 or (self.item_q_block > 0) != (self.item_kv_block > 0)):
             raise ValueError(f"{self}: q blocks must be multiples of 8, KV blocks multiples "
                              f"of the page size {page_size}, and item steps need both sizes")
+        if self.tile and (self.q_block % self.tile or self.kv_block % self.tile
+                          or self.tile % page_size or self.tile % 8):
+            raise ValueError(f"{self}: a tile must divide both blocks and be a multiple of 8 "
+                             f"and of the page size {page_size}")
+
+    def with_blocks(self, q_block: int, kv_block: int) -> "BlockSizes":
+        """These sizes with other blocks, and the tile where it still divides them."""
+        tile = self.tile if self.tile and q_block % self.tile == kv_block % self.tile == 0 else 0
+        return dataclasses.replace(self, q_block=q_block, kv_block=kv_block, tile=tile)
+
+    def tiles(self) -> tuple[int, int]:
+        """Tiles of a step: (along its q block, along its KV block)."""
+        tile = self.tile or None
+        return (self.q_block // tile, self.kv_block // tile) if tile else (1, 1)
 
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
@@ -48,23 +69,29 @@ class BlockSizes:
 # us on 10 / 64 / 256 items and 360 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
 # 16), against 11 / 47 / 185 / 357 us at 512/256 and 11 / 48 / 224 / 367 us at 256/512; the
 # whole forward is as fast or faster than at 128/512 in 5 of 6 (model, bucket) pairs, at most
-# 2% slower (docs/tpu_v6e.md, "Estimated on v6e from the compiled schedule").
+# 2% slower (docs/tpu_v6e.md, "Estimated on v6e from the compiled schedule"). Its steps skip
+# tiles of 128 x 128 that no row sees: on SGLang's shape half of a step's tiles
+# (docs/tpu_v6e.md, "Tiles a step skips").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
 # loop test read back by the host, whatever its size, so steps there are few and large. On
 # CPU, item steps of 16 x 32 take the items off the q blocks of 128 x 128, which then see the
 # query only: a forward on SGLang's shape takes 0.93-0.97 of the time it took with 64 x 128
 # and no item steps, from 256 to 2048 tokens (docs/performance_cpu.md, "Forward per bucket").
-_DEFAULT_BLOCKS = {"TPU v6 lite": (256, 256), "TPU v5 lite": (128, 512), "TPU v5": (128, 512),
-                   "TPU v4": (128, 256), "xla cpu": (128, 128, 16, 32), "xla gpu": (512, 1024)}
-_INTERPRET_BLOCKS = (16, 32)  # anything else runs the interpreter: keep grids small
+_DEFAULT_BLOCKS = {"TPU v6 lite": BlockSizes(256, 256, tile=128),
+                   "TPU v5 lite": BlockSizes(128, 512), "TPU v5": BlockSizes(128, 512),
+                   "TPU v4": BlockSizes(128, 256), "xla cpu": BlockSizes(128, 128, 16, 32),
+                   "xla gpu": BlockSizes(512, 1024)}
+_INTERPRET_BLOCKS = BlockSizes(16, 32)  # anything else runs the interpreter: keep grids small
 
 
 def default_block_sizes(device_kind: str, page_size: int) -> BlockSizes:
-    """`device_kind`: a TPU's, or "xla <platform>" for the planned XLA loop."""
-    q_block, kv_block, *item = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
+    """`device_kind`: a TPU's, or "xla <platform>" for the planned XLA loop. KV sizes are
+    rounded up to whole pages; a tile that is not whole pages is dropped."""
+    sizes = _DEFAULT_BLOCKS.get(device_kind, _INTERPRET_BLOCKS)
     whole_pages = lambda n: -(-n // page_size) * page_size  # noqa: E731
-    item_sizes = (item[0], whole_pages(item[1])) if item else ()
-    return BlockSizes(q_block, whole_pages(kv_block), *item_sizes)
+    return dataclasses.replace(sizes, kv_block=whole_pages(sizes.kv_block),
+                               item_kv_block=whole_pages(sizes.item_kv_block),
+                               tile=sizes.tile if sizes.tile % page_size == 0 else 0)
 
 
 class AttentionPlan(NamedTuple):
@@ -78,6 +105,8 @@ class AttentionPlan(NamedTuple):
     kv_split: jax.Array | None = None  # [S] block steps see KV positions below it, item
     #                                     steps the rest (None: no item steps)
     items: "ItemSteps | None" = None
+    step_tiles: jax.Array | None = None  # [NS] bit r x (KV block's tiles) + c set where tile
+    #                                       (r, c) of the step has a row that sees a key
 
 
 class ItemSteps(NamedTuple):
@@ -113,6 +142,21 @@ def max_item_steps(n_tokens: int, n_seqs: int, page_size: int, sizes: BlockSizes
 def visited_kv_blocks(plan: AttentionPlan) -> int:
     """KV blocks the kernel copies and multiplies (padding steps excluded)."""
     return int(np.sum((np.asarray(plan.step_flags) & NOOP) == 0))
+
+
+def visited_tiles(plan: AttentionPlan, sizes: BlockSizes) -> list[int]:
+    """Per tile of a step (bit r x KV tiles + c), the real steps that compute it; none for a
+    plan without tiles, whose steps compute their whole blocks."""
+    if plan.step_tiles is None:
+        return []
+    bits = np.asarray(plan.step_tiles)[(np.asarray(plan.step_flags) & NOOP) == 0]
+    return [int(np.sum((bits >> j) & 1)) for j in range(int(np.prod(sizes.tiles())))]
+
+
+def live_tile_share(plan: AttentionPlan, sizes: BlockSizes) -> float:
+    """The share of the real steps' tiles that they compute (1 without tiles)."""
+    tiles, steps = visited_tiles(plan, sizes), visited_kv_blocks(plan)
+    return sum(tiles) / (steps * len(tiles)) if tiles and steps else 1.0
 
 
 def real_q_blocks(plan: AttentionPlan) -> int:
@@ -156,12 +200,12 @@ class _Segments(NamedTuple):
     def real(self):
         return jnp.arange(len(self.first)) < self.count
 
-    def reduce(self, op, x, fill):
-        """`op` (jnp.min or jnp.max) of `x` over each segment's tokens: over every token,
-        masked (a gather of each segment's block row cost TPU programs more than the
-        compares)."""
+    def reduce(self, op, x, fill, where=True):
+        """`op` (jnp.min or jnp.max) of `x` over each segment's tokens (those `where` holds):
+        over every token, masked (a gather of each segment's block row cost TPU programs more
+        than the compares)."""
         t = jnp.arange(len(x), dtype=jnp.int32)
-        inside = (t >= self.first[:, None]) & (t <= self.last[:, None])
+        inside = (t >= self.first[:, None]) & (t <= self.last[:, None]) & where
         return op(jnp.where(inside, x, fill), axis=1)
 
 
@@ -216,9 +260,9 @@ def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
 
 def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockSizes,
                     max_steps: int):
-    """(q block, sequence, KV block) of each step, and the real steps' count: per segment,
-    the KV blocks some row sees (the rule `sees` on intervals: a row sees [0, min(L, pos + 1))
-    and [vis, pos]) that lie below its sequence's split, ascending."""
+    """(q block, sequence, KV block) of each step, its segment, and the real steps' count:
+    per segment, the KV blocks some row sees (the rule `sees` on intervals: a row sees
+    [0, min(L, pos + 1)) and [vis, pos]) that lie below its sequence's split, ascending."""
     first, s = seg.first, seg.seq
     p_max = pos[seg.last]  # positions rise within a segment
     a_min = seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max)
@@ -236,7 +280,31 @@ def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockS
     which, kv, total = expand_ranges(starts, counts, max_steps)
     segment = which // 2
     return _or_zeros(total, _lookup(first // sizes.q_block, segment), _lookup(s, segment),
-                     kv), total
+                     kv), segment, total
+
+
+def _step_tiles(pos, vis, seg: _Segments, segment, step_seq, step_kv, shared_lens,
+                sizes: BlockSizes):
+    """Each step's tiles that some row sees a key of, as bits: tile (r, c) holds the
+    segment's rows of the r-th tile of its q block and the c-th tile of its KV block. A row
+    at p sees keys [k0, min(k1, p)] of a tile [k0, k1] where p >= k0 and k0 < L or
+    min(k1, p) >= its vis; a tile's rows are tested by their largest p and smallest vis
+    (a tile that passes may still see nothing; one that fails sees nothing)."""
+    n_rows, n_keys = sizes.tiles()
+    t = jnp.arange(len(pos), dtype=jnp.int32)
+    tile_row = t % sizes.q_block // sizes.tile
+    shared = _lookup(shared_lens, step_seq)
+    bits = jnp.zeros_like(step_kv)
+    for r in range(n_rows):
+        rows = tile_row == r
+        p_max = _lookup(seg.reduce(jnp.max, pos, -1, rows), segment)
+        vis_min = _lookup(seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max, rows), segment)
+        for c in range(n_keys):
+            k0 = step_kv * sizes.kv_block + c * sizes.tile
+            k1 = k0 + sizes.tile - 1
+            sees = (p_max >= k0) & ((k0 < shared) | (jnp.minimum(k1, p_max) >= vis_min))
+            bits = bits | jnp.where(sees, 1 << (r * n_keys + c), 0)
+    return bits.astype(jnp.int32)
 
 
 def _item_window_steps(pos, vis, seq, real, seg: _Segments, splits, sizes: BlockSizes,
@@ -282,12 +350,15 @@ def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_step
     args = (pos, vis, seq, real)
     seg = _segments(cu, seq, sizes.q_block)
     splits = _kv_splits(*args, seg, shared_lens, kv_lens, sizes)
-    (block, step_seq, kv), total = _kv_block_steps(pos, vis, seg, shared_lens, splits, sizes,
-                                                   max_steps)
+    (block, step_seq, kv), segment, total = _kv_block_steps(pos, vis, seg, shared_lens, splits,
+                                                            sizes, max_steps)
     plan = AttentionPlan(token_pos=pos, token_seq=seq, step_block=block.astype(jnp.int32),
                          step_seq=step_seq.astype(jnp.int32), step_kv=kv.astype(jnp.int32),
                          step_flags=_block_flags(block, total),
                          num_steps=jnp.clip(total, 1, max_steps).astype(jnp.int32))
+    if sizes.tile:
+        plan = plan._replace(step_tiles=_step_tiles(pos, vis, seg, segment, plan.step_seq,
+                                                    plan.step_kv, shared_lens, sizes))
     if not sizes.item_q_block:
         return plan, total, jnp.int32(0)
     (i_block, i_seq, start), i_total = _item_window_steps(

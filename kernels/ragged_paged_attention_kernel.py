@@ -11,7 +11,10 @@ time, its GQA group of query heads stacked as rows. Scores are laid out keys by 
 ([kv_block, rows]): the reductions over keys then run across vregs and sublanes instead of
 across lanes, which in the compiled v6e schedule cut a step by a fifth; and the next two
 heads' scores are computed before a head's softmax, which cut it by a fifth again
-(profiling.v6e.schedule; docs/tpu_v6e.md).
+(profiling.v6e.schedule; docs/tpu_v6e.md). Where the block sizes name a tile, a step runs
+as tiles of tile rows x tile keys and skips those the plan marks as seen by no row: on
+SGLang's shape half of them, whose softmax was most of a step (docs/tpu_v6e.md, "Tiles a
+step skips").
 """
 import functools
 import math
@@ -59,51 +62,80 @@ def _scores(q, k, bias, scale):
                                preferred_element_type=jnp.float32) * scale + bias
 
 
-def _online_softmax_update(s, v, m_ref, l_ref, acc_ref, h):
-    """KV head h's running max, sum and accumulator. A masked key's score is -1e30: a row
-    that sees nothing yet sums junk at a running max near -1e30, which its first visible key
-    rescales by exp2(-1e30 - max) = 0; a row that never sees a key is a padding row."""
-    m_prev, l_prev = m_ref[h], l_ref[h]  # [1, rows]
+def _online_softmax_update(s, v, m_ref, l_ref, acc_ref, at):
+    """The running max, sum and accumulator of KV head and tile row `at`. A masked key's
+    score is -1e30: a row that sees nothing yet sums junk at a running max near -1e30, which
+    its first visible key rescales by exp2(-1e30 - max) = 0; a row that never sees a key is a
+    padding row."""
+    m_prev, l_prev = m_ref[at], l_ref[at]  # [1, rows]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
     alpha = jnp.exp2(m_prev - m_next)
     p = jnp.exp2(s - m_next)
-    l_ref[h] = alpha * l_prev + jnp.sum(p, axis=0, keepdims=True)
-    m_ref[h] = m_next
+    l_ref[at] = alpha * l_prev + jnp.sum(p, axis=0, keepdims=True)
+    m_ref[at] = m_next
     pv = jax.lax.dot_general(v, p.astype(v.dtype), (((0,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [D, rows]
-    acc_ref[h] = acc_ref[h] * alpha + pv
+    acc_ref[at] = acc_ref[at] * alpha + pv
 
 
-def _kv_heads(q_ref, k_all, v_all, bias, scale, m_ref, l_ref, acc_ref):
-    """One step over every KV head, the scores of the next _SCORES_AHEAD heads computed
+def _kv_heads(q_rows, group, k_all, v_all, bias, scale, r, m_ref, l_ref, acc_ref):
+    """One tile over every KV head, the scores of the next _SCORES_AHEAD heads computed
     before this head's softmax: the heads are independent, and in the compiled schedule the
     MXU then works while the VPU does a softmax (docs/tpu_v6e.md, "Estimated on v6e from the
-    compiled schedule")."""
-    n_heads, kv_block = k_all.shape[1], k_all.shape[0] * k_all.shape[2]
-    d = k_all.shape[-1]
-    group = q_ref.shape[1] // (n_heads * d)
+    compiled schedule"). `q_rows(j)`: query head j's rows of the tile."""
+    n_heads, keys, d = k_all.shape[1], k_all.shape[0] * k_all.shape[2], k_all.shape[-1]
 
     def scores(h):  # the group's rows stacked: (g, token)
-        q = jnp.concatenate([q_ref[:, pl.ds(j * d, d)] for j in range(h * group, (h + 1) * group)])
-        return _scores(q, k_all[:, h].reshape(kv_block, d), bias, scale)
+        q = jnp.concatenate([q_rows(j) for j in range(h * group, (h + 1) * group)])
+        return _scores(q, k_all[:, h].reshape(keys, d), bias, scale)
 
     ahead = {h: scores(h) for h in range(min(_SCORES_AHEAD, n_heads))}
     for h in range(n_heads):
         if h + _SCORES_AHEAD < n_heads:
             ahead[h + _SCORES_AHEAD] = scores(h + _SCORES_AHEAD)
-        _online_softmax_update(ahead.pop(h), v_all[:, h].reshape(kv_block, d), m_ref, l_ref,
-                               acc_ref, h)
+        _online_softmax_update(ahead.pop(h), v_all[:, h].reshape(keys, d), m_ref, l_ref,
+                               acc_ref, (h, r))
 
 
-def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref, pages_ref,
-            kv_lens_ref, shared_lens_ref,
+def _tile(r, c, refs, slot, scale, *, tile_rows, tile_pages):
+    """Tile (r, c) of the step: its q block's r-th tile of rows against its KV block's c-th
+    tile of keys."""
+    (step_seq_ref, step_kv_ref, kv_lens_ref, shared_lens_ref, q_ref, pos_ref, seq_ref, vis_ref,
+     k_buf, v_buf, m_ref, l_ref, acc_ref) = refs
+    i, d = pl.program_id(0), k_buf.shape[-1]
+    keys, group = tile_pages * k_buf.shape[3], m_ref.shape[-1] // tile_rows
+    seq = step_seq_ref[i]
+    pos = jnp.where(seq_ref[0, r:r + 1] == seq, pos_ref[0, r:r + 1], -1)  # other sequences see none
+    first_key = step_kv_ref[i] * k_buf.shape[1] * k_buf.shape[3] + c * keys
+    bias = _mask_bias(first_key, keys, pos, vis_ref[0, r:r + 1], shared_lens_ref[seq],
+                      kv_lens_ref[seq])
+    pages = slice(c * tile_pages, (c + 1) * tile_pages)
+    # k_buf, v_buf [2, pages_per_block, Hkv, page, D]
+    _kv_heads(lambda j: q_ref[r * tile_rows:(r + 1) * tile_rows, pl.ds(j * d, d)], group,
+              k_buf[slot, pages], v_buf[slot, pages], bias, scale, r, m_ref, l_ref, acc_ref)
+
+
+def _store_output(o_ref, l_ref, acc_ref, *, tile_rows):
+    """The q block's output: rows of padding, which no tile saw, are 0."""
+    n_heads, n_tiles, d = acc_ref.shape[:3]
+    group = acc_ref.shape[-1] // tile_rows
+    for r in range(n_tiles):
+        l_r = l_ref[:, r]
+        out = acc_ref[:, r] / jnp.where(l_r > 0, l_r, 1.0)  # [Hkv, D, rows]; l >= 1 if seen
+        out = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)  # rows are (g, token)
+        for j in range(n_heads * group):
+            h, g = divmod(j, group)
+            o_ref[r * tile_rows:(r + 1) * tile_rows, pl.ds(j * d, d)] = (
+                out[h, g * tile_rows:(g + 1) * tile_rows])
+
+
+def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref,
+            step_tiles_ref, pages_ref, kv_lens_ref, shared_lens_ref,
             q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm,
             o_ref,
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-            *, sm_scale, pages_per_seq, pages_per_block, kv_block):
+            *, sm_scale, pages_per_seq, pages_per_block, tiles):
     i, n = pl.program_id(0), pl.num_programs(0)
-    bq, d = q_ref.shape[0], k_buf.shape[-1]
-    group = pos_ref.shape[2] // bq
     del step_block_ref  # read by the index maps
     refs = (layer_ref, step_seq_ref, step_kv_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
     copies = functools.partial(_page_copies, refs=refs, pages_per_seq=pages_per_seq,
@@ -111,6 +143,8 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
     flags = step_flags_ref[i]
     active = (flags & NOOP) == 0
     nxt = jnp.minimum(i + 1, n - 1)
+    n_rows, n_keys = tiles
+    tile_rows, tile_pages = q_ref.shape[0] // n_rows, pages_per_block // n_keys
 
     @pl.when((i == 0) & active)
     def _():
@@ -134,48 +168,50 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        seq = step_seq_ref[i]
-        pos = jnp.where(seq_ref[0] == seq, pos_ref[0], -1)  # [1, rows]: other sequences see none
-        bias = _mask_bias(step_kv_ref[i] * kv_block, kv_block, pos, vis_ref[0],
-                          shared_lens_ref[seq], kv_lens_ref[seq])
-        # k_buf, v_buf [2, pages_per_block, Hkv, page, D]
-        _kv_heads(q_ref, k_buf[slot], v_buf[slot], bias, sm_scale * math.log2(math.e), m_ref,
-                  l_ref, acc_ref)
+        tile_refs = (step_seq_ref, step_kv_ref, kv_lens_ref, shared_lens_ref, q_ref, pos_ref,
+                     seq_ref, vis_ref, k_buf, v_buf, m_ref, l_ref, acc_ref)
+        tile = functools.partial(_tile, refs=tile_refs, slot=slot,
+                                 scale=sm_scale * math.log2(math.e), tile_rows=tile_rows,
+                                 tile_pages=tile_pages)
+        for r in range(n_rows):
+            for c in range(n_keys):
+                if n_rows * n_keys == 1:
+                    tile(r, c)
+                else:  # a tile no row sees is skipped
+                    pl.when((step_tiles_ref[i] >> (r * n_keys + c)) & 1 != 0)(
+                        functools.partial(tile, r, c))
 
         @pl.when((flags & LAST) != 0)
         def _():
-            out = acc_ref[...] / l_ref[...]  # [Hkv, D, rows]; l >= 1: its max key counts 1
-            out = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)  # rows are (g, token)
-            for j in range(out.shape[0] * group):
-                h, g = divmod(j, group)
-                o_ref[:, pl.ds(j * d, d)] = out[h, g * bq:(g + 1) * bq]
+            _store_output(o_ref, l_ref, acc_ref, tile_rows=tile_rows)
 
 
 def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
-                   itemsize: int) -> pl.CostEstimate:
+                   itemsize: int, live: float = 1.0) -> pl.CostEstimate:
     """Work of `steps` grid steps over `q_blocks` q blocks of `rows` rows (q_block x group) per
-    KV head: skipped KV blocks cost nothing. In the kernel the plan is runtime data, so `steps`
-    there is the size it is padded to, an upper bound; the grid runs only the real steps."""
+    KV head, `live` of the steps' tiles computed: skipped KV blocks and tiles cost nothing.
+    In the kernel the plan is runtime data, so `steps` there is the size it is padded to, an
+    upper bound; the grid runs only the real steps."""
     kv_bytes = 2 * steps * hkv * kv_block * d * itemsize
     q_out_bytes = 2 * q_blocks * hkv * rows * d * itemsize
-    return pl.CostEstimate(flops=4 * steps * hkv * rows * kv_block * d,
-                           transcendentals=steps * hkv * rows * kv_block,
+    return pl.CostEstimate(flops=round(4 * live * steps * hkv * rows * kv_block * d),
+                           transcendentals=round(live * steps * hkv * rows * kv_block),
                            bytes_accessed=kv_bytes + q_out_bytes)
 
 
 def _in_blocks(q, md: AttentionMetadata, hkv: int, sizes: BlockSizes):
     """q [T, Hq, D] as [T padded to whole q blocks, Hq x D] (the projection's own layout),
-    and each row's KV position, sequence and visible-from as [NB, 1, rows]; a block's rows
-    are (query head in group, token), -1 for padding."""
+    and each row's KV position, sequence and visible-from as [NB, tiles, rows]; a block's
+    rows are (tile, query head in group, token), -1 for padding."""
     t, hq, d = q.shape
-    bq, group = sizes.q_block, hq // hkv
+    bq, group, (n_tiles, _) = sizes.q_block, hq // hkv, sizes.tiles()
     n_blocks = num_q_blocks(t, sizes)
     pad = n_blocks * bq - t
     q_rows = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(t + pad, hq * d)
 
     def per_row(x, fill):
-        x = jnp.pad(x, (0, pad), constant_values=fill).reshape(n_blocks, bq)
-        return jnp.tile(x, (1, group))[:, None, :]
+        x = jnp.pad(x, (0, pad), constant_values=fill).reshape(n_blocks, n_tiles, -1)
+        return jnp.tile(x, (1, 1, group))
 
     plan = md.plan
     return (q_rows, per_row(plan.token_pos, -1), per_row(plan.token_seq, -1),
@@ -200,39 +236,45 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     group, bq = hq // hkv, sizes.q_block
     if plan.token_pos.shape != (t,):
         raise ValueError(f"a plan for {plan.token_pos.shape[0]} tokens, q has {t}")
-    n_blocks, rows = num_q_blocks(t, sizes), group * bq
+    if (plan.step_tiles is None) != (sizes.tile == 0):
+        raise ValueError(f"a plan {'without' if plan.step_tiles is None else 'with'} tiles "
+                         f"for block sizes {sizes}")
+    n_blocks, tiles = num_q_blocks(t, sizes), sizes.tiles()
+    rows = group * bq // tiles[0]  # of a tile
+    step_tiles = plan.step_flags if plan.step_tiles is None else plan.step_tiles  # unread
     ppb = sizes.kv_block // page_size
     pages = md.page_indices
     pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
     block_map = lambda i, lyr, sb, *_: (sb[i], 0)  # noqa: E731
     row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
     kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
-                               pages_per_block=ppb, kv_block=sizes.kv_block)
+                               pages_per_block=ppb, tiles=tiles)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=8,
+        num_scalar_prefetch=9,
         grid=(jnp.asarray(plan.num_steps, jnp.int32),),
         in_specs=[pl.BlockSpec((bq, hq * d), block_map)]
-        + [pl.BlockSpec((1, 1, rows), row_map)] * 3
+        + [pl.BlockSpec((1, tiles[0], rows), row_map)] * 3
         + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=pl.BlockSpec((bq, hq * d), block_map),
         scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
                         pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.VMEM((hkv, 1, rows), jnp.float32),
-                        pltpu.VMEM((hkv, 1, rows), jnp.float32),
-                        pltpu.VMEM((hkv, d, rows), jnp.float32)])
+                        pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
+                        pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
+                        pltpu.VMEM((hkv, tiles[0], d, rows), jnp.float32)])
     out = pl.pallas_call(
         kernel, grid_spec=grid_spec, name="ragged_paged_attention",
         out_shape=jax.ShapeDtypeStruct((n_blocks * bq, hq * d), q.dtype),
         # the output takes q's buffer: a q block is read before its output is written, and
         # blocks of padding only, which have no step, keep q's (finite) rows, with no
         # buffer of zeros to write in every layer (32 MiB at 8192 tokens: docs/tpu_v6e.md)
-        input_output_aliases={8: 0},
+        input_output_aliases={9: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, rows, hkv, d,
+        cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, group * bq, hkv, d,
                                      sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
-      plan.step_kv, plan.step_flags, pages.reshape(-1), md.kv_lens, md.shared_lens,
+      plan.step_kv, plan.step_flags, step_tiles, pages.reshape(-1), md.kv_lens,
+      md.shared_lens,
       *_in_blocks(q, md, hkv, sizes), k_pages, v_pages)
     return out[:t].reshape(t, hq, d)

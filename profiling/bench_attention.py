@@ -31,7 +31,6 @@ from kernels.attention_plan import (
     BlockSizes,
     default_block_sizes,
     host_plan,
-    real_q_blocks,
     visited_kv_blocks,
 )
 from kernels.backends import KERNEL_BACKENDS, select_kernels
@@ -95,12 +94,12 @@ def work(batch: ForwardBatch, heads: Heads, sizes: BlockSizes, itemsize: int):
     pos = plan.token_pos
     block_ends = (pos[b:b + sizes.q_block].max() for b in range(0, len(pos), sizes.q_block))
     dense = int(sum(p // sizes.kv_block + 1 for p in block_ends if p >= 0))
-    return visited, dense, _blocks(heads, sizes, itemsize).cost(visited, real_q_blocks(plan))
+    return visited, dense, _blocks(heads, sizes, itemsize).cost(plan)
 
 
 def _blocks(heads: Heads, sizes: BlockSizes, itemsize: int) -> AttentionBlocks:
-    return AttentionBlocks(sizes.q_block * heads.q // heads.kv, heads.kv, heads.dim,
-                           sizes.kv_block, itemsize)
+    return AttentionBlocks(sizes.q_block * heads.q // heads.kv, heads.kv, heads.dim, sizes,
+                           itemsize)
 
 
 def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeats: int,
@@ -122,9 +121,9 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats, trace_dir)
 
 
-def kernel_case(shape: str, q_block: int, kv_block: int, heads: dict):
+def kernel_case(shape: str, q_block: int, kv_block: int, heads: dict, tile: int = 0):
     """The Pallas kernel on `shape` as (fn, args) for `compile_schedules`."""
-    heads, sizes = Heads(**heads), BlockSizes(q_block, kv_block)
+    heads, sizes = Heads(**heads), BlockSizes(q_block, kv_block, tile=tile)
     batch, max_q_len, n_pages = make_batch(*SHAPES[shape], heads, sizes)
     pages = max(n_pages, _POOL_BYTES // (heads.kv * heads.page * heads.dim * 2))
     sds = jax.ShapeDtypeStruct
@@ -140,7 +139,7 @@ def kernel_case(shape: str, q_block: int, kv_block: int, heads: dict):
 def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> dict[str, dict]:
     """Per shape: the kernel's bundles per step and the v6e estimate at the plan's real steps."""
     cases = [dict(shape=name, q_block=sizes.q_block, kv_block=sizes.kv_block,
-                  heads=dataclasses.asdict(heads)) for name in shapes]
+                  heads=dataclasses.asdict(heads), tile=sizes.tile) for name in shapes]
     out = {}
     for name, result in zip(shapes, compile_schedules("profiling.bench_attention:kernel_case",
                                                       cases)):
@@ -199,7 +198,7 @@ def run(shapes: list[str], backend: str, repeats: int, heads: Heads = Heads(),
         backend = "pallas" if jax.default_backend() == "tpu" else "xla"
     device = jax.devices()[0].device_kind
     table = default_block_sizes("TPU v6 lite" if backend != "pallas" else device, heads.page)
-    sizes = BlockSizes(q_block or table.q_block, kv_block or table.kv_block)
+    sizes = table.with_blocks(q_block or table.q_block, kv_block or table.kv_block)
     estimates = schedule_estimates(shapes, heads, sizes) if estimate else {}
     peer = (peer_estimate(SHAPES["causal_4096"][0], heads, sizes)
             if estimate and "causal_4096" in shapes else None)

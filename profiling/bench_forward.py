@@ -37,7 +37,12 @@ import numpy as np
 from absl import app, flags
 from jax.experimental import pallas as pl
 
-from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
+from kernels.attention_plan import (
+    host_plan,
+    live_tile_share,
+    real_q_blocks,
+    visited_kv_blocks,
+)
 from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.ragged_paged_attention_xla import block_rows
@@ -171,12 +176,14 @@ def reference_matmul(n: int = 4096):
 
 def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int,
                    backend: str) -> pl.CostEstimate:
-    """One layer's attention at the plan's real steps, its item steps included; the XLA loop's
-    block steps take fewer rows than a q block where the batch has fewer tokens."""
+    """One layer's attention at the plan's real steps and the tiles they compute, its item
+    steps included; the XLA loop's block steps take fewer rows than a q block where the batch
+    has fewer tokens."""
     group = cfg.num_heads // cfg.num_kv_heads
     q_block = block_rows(len(plan.token_pos), sizes) if backend == "xla" else sizes.q_block
     cost = attention_cost(visited_kv_blocks(plan), real_q_blocks(plan), q_block * group,
-                          cfg.num_kv_heads, cfg.head_dim, sizes.kv_block, itemsize)
+                          cfg.num_kv_heads, cfg.head_dim, sizes.kv_block, itemsize,
+                          live_tile_share(plan, sizes))
     if plan.items is None:
         return cost
     steps = int(plan.items.num_steps)

@@ -86,8 +86,8 @@ class EngineConfig:
             return None
         kind = device.device_kind if backend != "xla" else f"xla {device.platform}"
         default = default_block_sizes(kind, self.page_size)
-        sizes = dataclasses.replace(default, q_block=self.q_block or default.q_block,
-                                    kv_block=self.kv_block or default.kv_block)
+        sizes = default.with_blocks(self.q_block or default.q_block,
+                                    self.kv_block or default.kv_block)
         sizes.check(self.page_size)
         return sizes
 

@@ -1,7 +1,10 @@
 """The static v6e cost model: the schedule listing's parser on a listing written here, and the
 real compiler's schedules of kernels whose work is known."""
+import dataclasses
+
 import pytest
 
+from kernels.attention_plan import BlockSizes, real_q_blocks, visited_tiles
 from kernels.label_gather_kernel import streamed_cost
 from profiling.v6e.kernel_estimates import label_gather_estimate
 from profiling.v6e.schedule import (
@@ -96,6 +99,30 @@ def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
     # one DMA per page: K and V of a 512-token block in 128-token pages, for the step and the
     # next one (started ahead; the first step's own start is predicated, not branched around)
     assert s.step_hbm_dma_bytes == 2 * 2 * 4 * 8 * 128 * 128 * 2
+
+
+def test_the_attention_kernels_tiles_are_priced_by_the_steps_that_run_them():
+    """With tiles, a step's depth-2 spans are the init, the tiles in bit order and the store;
+    the estimate takes each tile's bundles off the steps whose plan bit skips it."""
+    from profiling.bench_attention import SHAPES, Heads, _blocks, make_batch, work
+    from profiling.v6e.kernel_estimates import attention_estimate
+    heads, sizes = Heads(), BlockSizes(256, 256, tile=128)
+    (result,) = compile_schedules("profiling.bench_attention:kernel_case", [dict(
+        shape="mis_120q_64x18", q_block=256, kv_block=256, heads=dataclasses.asdict(heads),
+        tile=128)])
+    s = result["kernels"]["ragged_paged_attention"]
+    init, *tiles, store = [span for span in s.spans if span.depth == 2]
+    assert len(tiles) == 4 and min(t.bundles for t in tiles) > max(init.bundles, store.bundles)
+    batch = make_batch(*SHAPES["mis_120q_64x18"], heads, sizes)[0]
+    plan = batch.attention.plan
+    steps, _, cost = work(batch, heads, sizes, 2)
+    got = attention_estimate(s, plan, steps, cost.bytes_accessed, _blocks(heads, sizes, 2))
+    runs = visited_tiles(plan, sizes)
+    assert got["tile_runs"] == runs and min(runs) < steps  # some tile is skipped somewhere
+    once = real_q_blocks(plan) / steps
+    want = s.step - (init.bundles + store.bundles) * (1 - once) - sum(
+        t.bundles * (1 - n / steps) for t, n in zip(tiles, runs))
+    assert got["step_bundles"] == pytest.approx(want)
 
 
 def test_calibration_matmuls_agree_with_the_clock():

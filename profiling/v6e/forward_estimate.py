@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels.attention_plan import host_plan, real_q_blocks, visited_kv_blocks
+from kernels.attention_plan import host_plan, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
 from kernels.projection_kernel import call_blocks
 from kernels.label_gather_kernel import (
@@ -132,8 +132,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     plan, d = host_plan(batch.attention, sizes, page_size), pool_head_dim(cfg, "pallas")
     steps = visited_kv_blocks(plan)
     attn_blocks = AttentionBlocks(sizes.q_block * cfg.num_heads // cfg.num_kv_heads,
-                                  cfg.num_kv_heads, d, sizes.kv_block, 2)
-    attn = attn_blocks.cost(steps, real_q_blocks(plan))
+                                  cfg.num_kv_heads, d, sizes, 2)
+    attn = attn_blocks.cost(plan)
     page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
     real_pages = int(np.sum(page_ids < _POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)

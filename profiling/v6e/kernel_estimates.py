@@ -4,7 +4,14 @@ forward's estimate, which compile the kernels in different programs.
 """
 import dataclasses
 
-from kernels.attention_plan import AttentionPlan, real_q_blocks
+from kernels.attention_plan import (
+    AttentionPlan,
+    BlockSizes,
+    live_tile_share,
+    real_q_blocks,
+    visited_kv_blocks,
+    visited_tiles,
+)
 from kernels.label_gather_kernel import (
     head_tile_rows,
     label_groups,
@@ -34,18 +41,24 @@ def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int
                        kernel_bytes: float, blocks: "AttentionBlocks") -> dict:
     """The attention kernel over `steps` real steps of `plan`, moving `kernel_bytes` (its own
     count: the listing also holds the first step's prefetch, predicated), after its fill (the
-    first q block and KV block) and before its drain (the last q block's output). The
-    once-per-q-block spans (the first step's init, the last step's store) run once per real q
-    block."""
-    once_per_q_block = {i: 1 - real_q_blocks(plan) / steps
-                        for i, span in enumerate(schedule.spans) if span.depth == 2}
+    first q block and KV block) and before its drain (the last q block's output). A step's
+    innermost spans are, in order, the first step's init, each tile's body where a step skips
+    tiles, and the last step's store: the init and store run once per real q block, a tile in
+    the steps whose plan bit says so."""
+    inner = [i for i, span in enumerate(schedule.spans) if span.depth == 2]
+    tiles = visited_tiles(plan, blocks.sizes)
+    if len(inner) != len(tiles) + 2:
+        raise ValueError(f"{schedule.name}: {len(inner)} innermost spans a step, expected the "
+                         f"init, {len(tiles)} tiles and the store")
+    runs = [real_q_blocks(plan), *tiles, real_q_blocks(plan)]
+    skipped = {i: 1 - n / steps for i, n in zip(inner, runs)}
     step_bytes = kernel_bytes / steps
-    return {"step_bundles": schedule.step_bundles(once_per_q_block),
+    return {"step_bundles": schedule.step_bundles(skipped), "tile_runs": tiles,
             "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
             "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
             "fill_s": blocks.fill / V6E_HBM_BYTES_PER_S,
             "drain_s": blocks.drain / V6E_HBM_BYTES_PER_S,
-            "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=once_per_q_block,
+            "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=skipped,
                                                step_bytes=step_bytes, fill_bytes=blocks.fill,
                                                drain_bytes=blocks.drain)}
 
@@ -53,12 +66,16 @@ def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
     """Bytes of the attention kernel's first step's blocks (a q block of `rows` rows per KV
-    head, a KV block of K and V) and of its last output block."""
+    head, a KV block of K and V) and of its last output block, at block `sizes`."""
     rows: int
     kv_heads: int
     head_dim: int
-    kv_block: int
+    sizes: BlockSizes
     itemsize: int
+
+    @property
+    def kv_block(self) -> int:
+        return self.sizes.kv_block
 
     @property
     def fill(self) -> int:
@@ -68,10 +85,11 @@ class AttentionBlocks:
     def drain(self) -> int:
         return self.kv_heads * self.head_dim * self.itemsize * self.rows
 
-    def cost(self, steps: int, q_blocks: int):
-        """The kernel's cost at `steps` real steps over `q_blocks` q blocks."""
-        return attention_cost(steps, q_blocks, self.rows, self.kv_heads, self.head_dim,
-                              self.kv_block, self.itemsize)
+    def cost(self, plan: AttentionPlan):
+        """The kernel's cost at `plan`'s real steps, q blocks and tiles."""
+        return attention_cost(visited_kv_blocks(plan), real_q_blocks(plan), self.rows,
+                              self.kv_heads, self.head_dim, self.kv_block, self.itemsize,
+                              live_tile_share(plan, self.sizes))
 
 
 def label_gather_steps(mode: str, rows: int, vocab: int, hidden: int) -> int:
