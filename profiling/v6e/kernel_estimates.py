@@ -40,18 +40,24 @@ GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "lab
 def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int,
                        kernel_bytes: float, blocks: "AttentionBlocks") -> dict:
     """The attention kernel over `steps` real steps of `plan`, moving `kernel_bytes` (its own
-    count: the listing also holds the first step's prefetch, predicated), after its fill (the
+    count: the listing may hold the first step's prefetch, predicated), after its fill (the
     first q block and KV block) and before its drain (the last q block's output). A step's
-    innermost spans are, in order, the first step's init, each tile's body where a step skips
-    tiles, and the last step's store: the init and store run once per real q block, a tile in
-    the steps whose plan bit says so."""
+    spans at depth 1 are the first step's prefetch and the next step's, where the compiler
+    branches around them rather than predicating them (pages of 16, not 128), and the step's
+    work: the first runs once, the second in all steps but the last. Its innermost spans are,
+    in order, the first step's init, each tile's body where a step skips tiles, and the last
+    step's store: the init and store run once per real q block, a tile in the steps whose
+    plan bit says so."""
+    outer = [i for i, span in enumerate(schedule.spans) if span.depth == 1]
     inner = [i for i, span in enumerate(schedule.spans) if span.depth == 2]
     tiles = visited_tiles(plan, blocks.sizes)
-    if len(inner) != len(tiles) + 2:
-        raise ValueError(f"{schedule.name}: {len(inner)} innermost spans a step, expected the "
-                         f"init, {len(tiles)} tiles and the store")
+    if len(outer) not in (1, 3) or len(inner) != len(tiles) + 2:
+        raise ValueError(f"{schedule.name}: {len(outer)} spans at depth 1 and {len(inner)} "
+                         f"innermost a step, expected 1 or 3 (the prefetches, the step's work), "
+                         f"and the init, {len(tiles)} tiles and the store")
+    prefetches = dict(zip(outer[:-1], (1 - 1 / steps, 1 / steps)))
     runs = [real_q_blocks(plan), *tiles, real_q_blocks(plan)]
-    skipped = {i: 1 - n / steps for i, n in zip(inner, runs)}
+    skipped = {**prefetches, **{i: 1 - n / steps for i, n in zip(inner, runs)}}
     step_bytes = kernel_bytes / steps
     return {"step_bundles": schedule.step_bundles(skipped), "tile_runs": tiles,
             "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
