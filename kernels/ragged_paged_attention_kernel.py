@@ -16,11 +16,13 @@ as tiles of tile rows x tile keys and skips those the plan marks as seen by no r
 SGLang's shape half of them, whose softmax was most of a step (docs/tpu_v6e.md, "Tiles a
 step skips").
 """
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -35,16 +37,70 @@ from kernels.ragged_paged_attention import (
 _SCORES_AHEAD = 2  # KV heads whose scores are computed ahead of a head's softmax
 
 
-def _page_copies(step, slot, refs, *, pages_per_seq, pages_per_block):
-    layer_ref, step_seq_ref, step_kv_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
-    first_page = step_seq_ref[step] * pages_per_seq + step_kv_ref[step] * pages_per_block
-    copies = []
-    for j in range(pages_per_block):
-        page = pages_ref[first_page + j]
-        for n, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-            copies.append(pltpu.make_async_copy(src.at[layer_ref[0], :, page], dst.at[slot, j],
-                                                sems.at[n, slot]))
-    return copies
+@dataclasses.dataclass(frozen=True)
+class _KvCopies:
+    """A step's KV block, K and V, into a slot of the two-slot VMEM buffers: one copy each
+    where the pages that hold the sequence's keys in it follow each other in the pool (the
+    copy reads on to the block's end: keys past the sequence are masked), else a copy a page.
+    A step of pages of 16 issues 32 DMAs otherwise, whose starts the compiler puts in a
+    block of their own (docs/tpu_v6e.md, "Whole blocks of pages in one copy")."""
+    layer_ref: object
+    step_seq_ref: object
+    step_kv_ref: object
+    pages_ref: object
+    kv_lens_ref: object
+    k_hbm: object
+    v_hbm: object
+    k_buf: object
+    v_buf: object
+    sems: object
+    whole_ref: object  # SMEM [2]: whether a slot's block came in one copy
+    pages_per_seq: int
+    pages_per_block: int
+
+    def _first_page(self, step):
+        return (self.step_seq_ref[step] * self.pages_per_seq
+                + self.step_kv_ref[step] * self.pages_per_block)
+
+    def _whole(self, step):
+        """Whether the block's pages that hold keys are consecutive, and the block fits the
+        pool from its first page."""
+        page, ppb = self.k_hbm.shape[3], self.pages_per_block
+        keys = (self.kv_lens_ref[self.step_seq_ref[step]]
+                - self.step_kv_ref[step] * ppb * page)
+        base = self._first_page(step)
+        first = self.pages_ref[base]
+        whole = first + ppb <= self.k_hbm.shape[2]
+        for j in range(1, ppb):
+            whole &= (j * page >= keys) | (self.pages_ref[base + j] == first + j)
+        return whole
+
+    def _copies(self, step, slot, whole: bool) -> list:
+        base, layer = self._first_page(step), self.layer_ref[0]
+        pairs = ((self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf))
+        if whole:
+            first = self.pages_ref[base]
+            return [pltpu.make_async_copy(src.at[layer, :, pl.ds(first, self.pages_per_block)],
+                                          dst.at[slot], self.sems.at[n, slot])
+                    for n, (src, dst) in enumerate(pairs)]
+        return [pltpu.make_async_copy(src.at[layer, :, self.pages_ref[base + j]],
+                                      dst.at[slot, :, j], self.sems.at[n, slot])
+                for j in range(self.pages_per_block) for n, (src, dst) in enumerate(pairs)]
+
+    def start(self, step, slot) -> None:
+        whole = self._whole(step)
+        self.whole_ref[slot] = whole.astype(jnp.int32)
+        self._each(whole, step, slot, lambda c: c.start())
+
+    def wait(self, step, slot) -> None:
+        self._each(self.whole_ref[slot] != 0, step, slot, lambda c: c.wait())
+
+    def _each(self, whole, step, slot, act) -> None:
+        for taken in (True, False):
+            @pl.when(whole == taken)
+            def _():
+                for c in self._copies(step, slot, taken):
+                    act(c)
 
 
 def _mask_bias(first_key, kv_block, pos, vis, shared_len, kv_len):
@@ -83,17 +139,17 @@ def _kv_heads(q_rows, group, k_all, v_all, bias, scale, r, m_ref, l_ref, acc_ref
     before this head's softmax: the heads are independent, and in the compiled schedule the
     MXU then works while the VPU does a softmax (docs/tpu_v6e.md, "Estimated on v6e from the
     compiled schedule"). `q_rows(j)`: query head j's rows of the tile."""
-    n_heads, keys, d = k_all.shape[1], k_all.shape[0] * k_all.shape[2], k_all.shape[-1]
+    n_heads, keys, d = k_all.shape[0], k_all.shape[1] * k_all.shape[2], k_all.shape[-1]
 
     def scores(h):  # the group's rows stacked: (g, token)
         q = jnp.concatenate([q_rows(j) for j in range(h * group, (h + 1) * group)])
-        return _scores(q, k_all[:, h].reshape(keys, d), bias, scale)
+        return _scores(q, k_all[h].reshape(keys, d), bias, scale)
 
     ahead = {h: scores(h) for h in range(min(_SCORES_AHEAD, n_heads))}
     for h in range(n_heads):
         if h + _SCORES_AHEAD < n_heads:
             ahead[h + _SCORES_AHEAD] = scores(h + _SCORES_AHEAD)
-        _online_softmax_update(ahead.pop(h), v_all[:, h].reshape(keys, d), m_ref, l_ref,
+        _online_softmax_update(ahead.pop(h), v_all[h].reshape(keys, d), m_ref, l_ref,
                                acc_ref, (h, r))
 
 
@@ -106,13 +162,14 @@ def _tile(r, c, refs, slot, scale, *, tile_rows, tile_pages):
     keys, group = tile_pages * k_buf.shape[3], m_ref.shape[-1] // tile_rows
     seq = step_seq_ref[i]
     pos = jnp.where(seq_ref[0, r:r + 1] == seq, pos_ref[0, r:r + 1], -1)  # other sequences see none
-    first_key = step_kv_ref[i] * k_buf.shape[1] * k_buf.shape[3] + c * keys
+    first_key = step_kv_ref[i] * k_buf.shape[2] * k_buf.shape[3] + c * keys
     bias = _mask_bias(first_key, keys, pos, vis_ref[0, r:r + 1], shared_lens_ref[seq],
                       kv_lens_ref[seq])
     pages = slice(c * tile_pages, (c + 1) * tile_pages)
-    # k_buf, v_buf [2, pages_per_block, Hkv, page, D]
+    # k_buf, v_buf [2, Hkv, pages_per_block, page, D]
     _kv_heads(lambda j: q_ref[r * tile_rows:(r + 1) * tile_rows, pl.ds(j * d, d)], group,
-              k_buf[slot, pages], v_buf[slot, pages], bias, scale, r, m_ref, l_ref, acc_ref)
+              k_buf[slot, :, pages], v_buf[slot, :, pages], bias, scale, r, m_ref, l_ref,
+              acc_ref)
 
 
 def _store_output(o_ref, l_ref, acc_ref, *, tile_rows):
@@ -133,13 +190,12 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
             step_tiles_ref, pages_ref, kv_lens_ref, shared_lens_ref,
             q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm,
             o_ref,
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
+            k_buf, v_buf, sems, whole_ref, m_ref, l_ref, acc_ref,
             *, sm_scale, pages_per_seq, pages_per_block, tiles):
     i, n = pl.program_id(0), pl.num_programs(0)
     del step_block_ref  # read by the index maps
-    refs = (layer_ref, step_seq_ref, step_kv_ref, pages_ref, k_hbm, v_hbm, k_buf, v_buf, sems)
-    copies = functools.partial(_page_copies, refs=refs, pages_per_seq=pages_per_seq,
-                               pages_per_block=pages_per_block)
+    copies = _KvCopies(layer_ref, step_seq_ref, step_kv_ref, pages_ref, kv_lens_ref, k_hbm,
+                       v_hbm, k_buf, v_buf, sems, whole_ref, pages_per_seq, pages_per_block)
     flags = step_flags_ref[i]
     active = (flags & NOOP) == 0
     nxt = jnp.minimum(i + 1, n - 1)
@@ -148,19 +204,16 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
 
     @pl.when((i == 0) & active)
     def _():
-        for c in copies(0, 0):
-            c.start()
+        copies.start(0, 0)
 
     @pl.when((i + 1 < n) & ((step_flags_ref[nxt] & NOOP) == 0))
     def _():
-        for c in copies(nxt, nxt % 2):
-            c.start()
+        copies.start(nxt, nxt % 2)
 
     @pl.when(active)
     def _():
         slot = i % 2
-        for c in copies(i, slot):
-            c.wait()
+        copies.wait(i, slot)
 
         @pl.when((flags & FIRST) != 0)
         def _():
@@ -184,6 +237,24 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
         @pl.when((flags & LAST) != 0)
         def _():
             _store_output(o_ref, l_ref, acc_ref, tile_rows=tile_rows)
+
+
+def whole_block_steps(plan: AttentionPlan, md: AttentionMetadata, sizes: BlockSizes,
+                      page_size: int, num_pages: int) -> int:
+    """The real steps of a concrete `plan` whose KV block the kernel copies whole (the rule
+    of `_KvCopies`), for estimates."""
+    ppb = sizes.kv_block // page_size
+    pages = np.asarray(md.page_indices)
+    pages = np.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
+    real = (np.asarray(plan.step_flags) & NOOP) == 0
+    whole = 0
+    for seq, kv in zip(np.asarray(plan.step_seq)[real], np.asarray(plan.step_kv)[real]):
+        block = pages[seq, kv * ppb:(kv + 1) * ppb]
+        keys = int(md.kv_lens[seq]) - kv * ppb * page_size
+        held = block[:-(-keys // page_size)]
+        whole += bool(block[0] + ppb <= num_pages
+                      and (held == block[0] + np.arange(len(held))).all())
+    return whole
 
 
 def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
@@ -256,9 +327,10 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         + [pl.BlockSpec((1, tiles[0], rows), row_map)] * 3
         + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=pl.BlockSpec((bq, hq * d), block_map),
-        scratch_shapes=[pltpu.VMEM((2, ppb, hkv, page_size, d), k_pages.dtype),
-                        pltpu.VMEM((2, ppb, hkv, page_size, d), v_pages.dtype),
+        scratch_shapes=[pltpu.VMEM((2, hkv, ppb, page_size, d), k_pages.dtype),
+                        pltpu.VMEM((2, hkv, ppb, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.SMEM((2,), jnp.int32),  # a slot's block came in one copy
                         pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
                         pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
                         pltpu.VMEM((hkv, tiles[0], d, rows), jnp.float32)])

@@ -34,7 +34,7 @@ from kernels.attention_plan import (
     visited_kv_blocks,
 )
 from kernels.backends import KERNEL_BACKENDS, select_kernels
-from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention, whole_block_steps
 from model.batch import ForwardBatch
 from model.config import ModelConfig
 from profiling.v6e.kernel_estimates import AttentionBlocks, attention_estimate
@@ -121,13 +121,18 @@ def measure(batch, max_q_len, n_pages, heads: Heads, sizes, backend: str, repeat
     return wall_time(lambda *a: fn(*a, md=md), (q, kv, kv), repeats, trace_dir)
 
 
+def pool_pages(batch: ForwardBatch, heads: Heads) -> int:
+    """The pool's pages: past what XLA would place in VMEM (docs/tpu_v6e.md), as a server's."""
+    n_pages = int(np.asarray(batch.attention.page_indices).max()) + 1
+    return max(n_pages, _POOL_BYTES // (heads.kv * heads.page * heads.dim * 2))
+
+
 def kernel_case(shape: str, q_block: int, kv_block: int, heads: dict, tile: int = 0):
     """The Pallas kernel on `shape` as (fn, args) for `compile_schedules`."""
     heads, sizes = Heads(**heads), BlockSizes(q_block, kv_block, tile=tile)
-    batch, max_q_len, n_pages = make_batch(*SHAPES[shape], heads, sizes)
-    pages = max(n_pages, _POOL_BYTES // (heads.kv * heads.page * heads.dim * 2))
+    batch, max_q_len, _ = make_batch(*SHAPES[shape], heads, sizes)
     sds = jax.ShapeDtypeStruct
-    pool = sds((1, heads.kv, pages, heads.page, heads.dim), jnp.bfloat16)
+    pool = sds((1, heads.kv, pool_pages(batch, heads), heads.page, heads.dim), jnp.bfloat16)
 
     def attend(q, k, v, layer, md):
         return ragged_paged_attention(q, k, v, layer, md, sm_scale=heads.dim ** -0.5,
@@ -146,8 +151,11 @@ def schedule_estimates(shapes: list[str], heads: Heads, sizes: BlockSizes) -> di
         schedule = result["kernels"]["ragged_paged_attention"]
         batch = make_batch(*SHAPES[name], heads, sizes)[0]
         steps, _, cost = work(batch, heads, sizes, itemsize=2)
-        out[name] = attention_estimate(schedule, batch.attention.plan, steps,
-                                       cost.bytes_accessed, _blocks(heads, sizes, 2))
+        plan = batch.attention.plan
+        whole = whole_block_steps(plan, batch.attention, sizes, heads.page,
+                                  pool_pages(batch, heads))
+        out[name] = attention_estimate(schedule, plan, steps, cost.bytes_accessed,
+                                       _blocks(heads, sizes, 2), whole)
     return out
 
 

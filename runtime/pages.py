@@ -1,6 +1,9 @@
 """Fixed pool of KV pages with reference counts: a page is free when nobody holds it.
 
 Holders are sequences in flight and the prefix cache; each holds one reference per page.
+Pages are handed out lowest first and a released run comes back in its own order, so a
+sequence's pages mostly follow each other in the pool: the TPU attention kernel copies a KV
+block of consecutive pages in one DMA, not one a page.
 """
 
 
@@ -35,7 +38,7 @@ class PagePool:
             self._refs[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        for page in pages:
+        for page in reversed(pages):  # the free list is a stack: its top is taken first
             if self._refs[page] <= 0:
                 raise ValueError(f"page {page} released more often than held")
             self._refs[page] -= 1

@@ -6,9 +6,10 @@ from kernels.ragged_paged_attention import AttentionMetadata
 
 
 def random_batch(rng, specs, *, hq, hkv, d, page_size, dtype, layers=2, num_pages=None,
-                 pad_tokens=5):
+                 pad_tokens=5, consecutive_pages=False):
     """specs: ("causal", n) | ("cached", cached, n) | ("items", L, [item lens]) |
-    ("cached_items", L, [item lens]): the items of a query the prefix cache holds.
+    ("cached_items", L, [item lens]): the items of a query the prefix cache holds. Each
+    sequence's pages are a random draw of the pool, or follow each other from page 1.
 
     Returns q, k_pages, v_pages, metadata (as NumPy-friendly jnp arrays)."""
     q_lens, kv_lens, prefixes, vis = [], [], [], []
@@ -26,7 +27,8 @@ def random_batch(rng, specs, *, hq, hkv, d, page_size, dtype, layers=2, num_page
         vis += v
     pages_per_seq = max(-(-k // page_size) for k in kv_lens)
     num_pages = num_pages or len(specs) * pages_per_seq + 3
-    tables = rng.permutation(num_pages)[:len(specs) * pages_per_seq].reshape(len(specs), -1)
+    order = np.arange(1, num_pages) if consecutive_pages else rng.permutation(num_pages)
+    tables = order[:len(specs) * pages_per_seq].reshape(len(specs), -1)
     n_tokens = sum(q_lens) + pad_tokens
     shape = (layers, hkv, num_pages, page_size, d)
     md = AttentionMetadata(

@@ -24,7 +24,7 @@ from kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     visible_mask,
 )
-from kernels.ragged_paged_attention_kernel import ragged_paged_attention
+from kernels.ragged_paged_attention_kernel import ragged_paged_attention, whole_block_steps
 from kernels.ragged_paged_attention_xla import block_rows, ragged_paged_attention_xla
 from model.decoder import pool_head_dim
 from profiling.v6e.compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
@@ -174,16 +174,25 @@ TILED_CASES = [  # (specs, hq, hkv, d, page_size, sizes, dtype): steps of 2 x 2 
 ]
 
 
+@pytest.mark.parametrize("pages", ["shuffled", "consecutive", "mixed"])
 @pytest.mark.parametrize("case", range(len(TILED_CASES)))
-def test_kernel_with_tiles_matches_reference(case):
-    """Steps that skip the tiles no row sees: the reference's output, padding rows 0."""
+def test_kernel_with_tiles_matches_reference(case, pages):
+    """Steps that skip the tiles no row sees: the reference's output, padding rows 0; a KV
+    block whose pages follow each other comes in one copy, the others a page at a time
+    ("mixed": one sequence's first two pages swapped)."""
     specs, hq, hkv, d, page, sizes, dtype = TILED_CASES[case]
     q, k, v, md, n = random_batch(np.random.default_rng(case), specs, hq=hq, hkv=hkv, d=d,
-                                  page_size=page, dtype=dtype, pad_tokens=sizes.q_block)
+                                  page_size=page, dtype=dtype, pad_tokens=sizes.q_block,
+                                  consecutive_pages=pages != "shuffled")
+    if pages == "mixed":
+        md = md._replace(page_indices=md.page_indices.at[0, :2].set(md.page_indices[0, 1::-1]))
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     plan = plan_for(md, sizes, page)
     live = [bin(int(b)).count("1") for b in plan.step_tiles[:int(plan.num_steps)]]
     assert min(live) >= 1 and sum(live) < np.prod(sizes.tiles()) * len(live)  # some skipped
+    whole = whole_block_steps(plan, md, sizes, page, k.shape[2])  # the kernel's rule
+    assert {"shuffled": whole < len(live), "consecutive": whole == len(live),
+            "mixed": 0 < whole < len(live)}[pages]
     got, want = run_both(q, k, v, md, sizes, pltpu.InterpretParams(detect_races=True))
     assert not interpret_pallas_call.races.races_found
     assert np.isfinite(got).all()

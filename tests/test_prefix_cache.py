@@ -159,3 +159,15 @@ def test_random_use_keeps_pages_prefixes_and_counts_right(seed):
         assert len(hit) == 6 or tuple(probe[:(len(hit) + 1) * size]) not in prefixes
         pool.release(hit)
         pool.check([cache.pages()] + held)
+
+
+def test_a_released_run_of_pages_comes_back_in_order():
+    """The TPU attention kernel copies a KV block of consecutive pages in one DMA: pages are
+    handed out lowest first, and a sequence's released pages come back as the run they were."""
+    pool = PagePool(16)
+    first, second = pool.allocate(5), pool.allocate(4)
+    assert first == [0, 1, 2, 3, 4] and second == [5, 6, 7, 8]
+    pool.release(first)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.release(second)
+    assert pool.allocate(6) == [5, 6, 7, 8, 3, 4]

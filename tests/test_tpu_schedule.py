@@ -6,6 +6,7 @@ import pytest
 
 from kernels.attention_plan import BlockSizes, real_q_blocks, visited_tiles
 from kernels.label_gather_kernel import streamed_cost
+from kernels.ragged_paged_attention_kernel import whole_block_steps
 from profiling.v6e.kernel_estimates import label_gather_estimate
 from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
@@ -96,35 +97,41 @@ def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
     s = result["kernels"]["ragged_paged_attention"]
     once = [span for span in s.spans if span.depth == 2]
     assert len(once) == 2 and all(span.bundles < 0.1 * s.step for span in once), s.spans
-    # one DMA per page: K and V of a 512-token block in 128-token pages, for the step and the
-    # next one (started ahead; the first step's own start is predicated, not branched around)
-    assert s.step_hbm_dma_bytes == 2 * 2 * 4 * 8 * 128 * 128 * 2
+    # K and V of a 512-token block in 128-token pages, both ways (whole, and a DMA a page),
+    # for the step and the next one (started ahead; the first step's own start predicated)
+    assert s.step_hbm_dma_bytes == 2 * 2 * 2 * 4 * 8 * 128 * 128 * 2
 
 
-def test_the_attention_kernels_tiles_are_priced_by_the_steps_that_run_them():
-    """With tiles, a step's depth-2 spans are the init, the tiles in bit order and the store;
-    the estimate takes each tile's bundles off the steps whose plan bit skips it, and the
-    prefetches' off the steps that do not start them."""
-    from profiling.bench_attention import SHAPES, Heads, _blocks, make_batch, work
+def test_the_attention_kernels_branches_are_priced_by_the_steps_that_run_them():
+    """Pages of 16: the compiler branches around the first step's prefetch and the next's,
+    and inside each around the copy a page (the whole block's copy is predicated); the
+    step's work ends with the init, the tiles in bit order and the store. The estimate
+    takes each branch's bundles off the steps that do not run it: here every block is
+    whole (a sequence's pages follow each other), so no copy a page runs."""
+    from profiling.bench_attention import SHAPES, Heads, _blocks, make_batch, pool_pages, work
     from profiling.v6e.kernel_estimates import attention_estimate
     heads, sizes = Heads(), BlockSizes(256, 256, tile=128)
     (result,) = compile_schedules("profiling.bench_attention:kernel_case", [dict(
         shape="mis_120q_64x18", q_block=256, kv_block=256, heads=dataclasses.asdict(heads),
         tile=128)])
     s = result["kernels"]["ragged_paged_attention"]
-    init, *tiles, store = [span for span in s.spans if span.depth == 2]
+    first, nxt, step_work = [i for i, span in enumerate(s.spans) if span.depth == 1]
+    init, *tiles, store = [s.spans[i] for i in s.children(step_work)]
+    per_page = [(p, s.spans[k]) for p in (first, nxt) for k in s.children(p)]
     assert len(tiles) == 4 and min(t.bundles for t in tiles) > max(init.bundles, store.bundles)
+    assert len(per_page) == 2 and all(span.dmas >= 32 for _, span in per_page)
     batch = make_batch(*SHAPES["mis_120q_64x18"], heads, sizes)[0]
     plan = batch.attention.plan
     steps, _, cost = work(batch, heads, sizes, 2)
-    got = attention_estimate(s, plan, steps, cost.bytes_accessed, _blocks(heads, sizes, 2))
+    whole = whole_block_steps(plan, batch.attention, sizes, heads.page, pool_pages(batch, heads))
+    got = attention_estimate(s, plan, steps, cost.bytes_accessed, _blocks(heads, sizes, 2),
+                             whole)
     runs = visited_tiles(plan, sizes)
-    assert got["tile_runs"] == runs and min(runs) < steps  # some tile is skipped somewhere
-    # pages of 16: the compiler branches around the first step's prefetch and the next's
-    first, nxt, work = [span for span in s.spans if span.depth == 1]
-    assert first.hbm_dma_bytes == nxt.hbm_dma_bytes > 0 == work.hbm_dma_bytes
+    assert whole == steps and got["tile_runs"] == runs and min(runs) < steps
+    prefetch_runs = {first: 1, nxt: steps - 1}
     once = real_q_blocks(plan) / steps
-    want = (s.step - first.bundles * (1 - 1 / steps) - nxt.bundles / steps
+    want = (s.step - s.spans[first].bundles * (1 - 1 / steps) - s.spans[nxt].bundles / steps
+            - sum(span.bundles * prefetch_runs[p] / steps for p, span in per_page)
             - (init.bundles + store.bundles) * (1 - once)
             - sum(t.bundles * (1 - n / steps) for t, n in zip(tiles, runs)))
     assert got["step_bundles"] == pytest.approx(want)

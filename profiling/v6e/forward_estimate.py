@@ -17,6 +17,7 @@ from kernels.label_gather_kernel import (
     streamed_row_block,
 )
 from kernels.ragged_paged_attention import written_pages
+from kernels.ragged_paged_attention_kernel import whole_block_steps
 from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
 from model.decoder import (
@@ -159,8 +160,9 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         real_pages, cfg.num_kv_heads * page_size * d * 2)}
     return {
         **rope, **projections, **kv_write,
-        "attention": attention_estimate(schedules["ragged_paged_attention"], plan, steps,
-                                        attn.bytes_accessed, attn_blocks),
+        "attention": attention_estimate(
+            schedules["ragged_paged_attention"], plan, steps, attn.bytes_accessed, attn_blocks,
+            whole_block_steps(plan, batch.attention, sizes, page_size, _POOL_PAGES)),
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}

@@ -38,28 +38,21 @@ GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "lab
 
 
 def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int,
-                       kernel_bytes: float, blocks: "AttentionBlocks") -> dict:
-    """The attention kernel over `steps` real steps of `plan`, moving `kernel_bytes` (its own
-    count: the listing may hold the first step's prefetch, predicated), after its fill (the
-    first q block and KV block) and before its drain (the last q block's output). A step's
-    spans at depth 1 are the first step's prefetch and the next step's, where the compiler
-    branches around them rather than predicating them (pages of 16, not 128), and the step's
-    work: the first runs once, the second in all steps but the last. Its innermost spans are,
-    in order, the first step's init, each tile's body where a step skips tiles, and the last
-    step's store: the init and store run once per real q block, a tile in the steps whose
-    plan bit says so."""
-    outer = [i for i, span in enumerate(schedule.spans) if span.depth == 1]
-    inner = [i for i, span in enumerate(schedule.spans) if span.depth == 2]
+                       kernel_bytes: float, blocks: "AttentionBlocks",
+                       whole_steps: int | None = None) -> dict:
+    """The attention kernel over `steps` real steps of `plan`, `whole_steps` of them copying
+    their KV block whole (default: all), moving `kernel_bytes` (its own count: the listing
+    holds each step's copies both ways, and may hold the first step's prefetch, predicated),
+    after its fill (the first q block and KV block) and before its drain (the last q block's
+    output); its branches priced as `_attention_span_runs` reads them."""
+    whole_steps = steps if whole_steps is None else whole_steps
     tiles = visited_tiles(plan, blocks.sizes)
-    if len(outer) not in (1, 3) or len(inner) != len(tiles) + 2:
-        raise ValueError(f"{schedule.name}: {len(outer)} spans at depth 1 and {len(inner)} "
-                         f"innermost a step, expected 1 or 3 (the prefetches, the step's work), "
-                         f"and the init, {len(tiles)} tiles and the store")
-    prefetches = dict(zip(outer[:-1], (1 - 1 / steps, 1 / steps)))
-    runs = [real_q_blocks(plan), *tiles, real_q_blocks(plan)]
-    skipped = {**prefetches, **{i: 1 - n / steps for i, n in zip(inner, runs)}}
+    runs = _attention_span_runs(schedule, steps, real_q_blocks(plan), tiles, whole_steps)
+    parents = {kid: p for p in runs for kid in schedule.children(p)}
+    skipped = {i: (runs.get(parents.get(i), steps) - n) / steps for i, n in runs.items()}
     step_bytes = kernel_bytes / steps
     return {"step_bundles": schedule.step_bundles(skipped), "tile_runs": tiles,
+            "whole_block_steps": whole_steps,
             "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
             "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
             "fill_s": blocks.fill / V6E_HBM_BYTES_PER_S,
@@ -67,6 +60,35 @@ def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int
             "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=skipped,
                                                step_bytes=step_bytes, fill_bytes=blocks.fill,
                                                drain_bytes=blocks.drain)}
+
+
+def _attention_span_runs(schedule: KernelSchedule, steps: int, q_blocks: int, tiles: list,
+                         whole_steps: int) -> dict[int, float]:
+    """The steps that run each branch of the attention kernel's step. At depth 1: the step's
+    work (the largest span) and the prefetches the compiler branches around rather than
+    predicating them: the first step's, which runs once, and the next step's, in all steps
+    but the last (a lone one is priced as the next's, the dearer reading). Inside a prefetch,
+    a branch of many DMAs is the copy a page, which runs where a block is not whole, a branch
+    of two the whole block's. The work's innermost spans end with the first step's init, each
+    tile's body and the last step's store: the init and store run once per real q block, a
+    tile in the steps whose plan bit says so; spans before them are the waits, priced as the
+    copies."""
+    outer = [i for i, span in enumerate(schedule.spans) if span.depth == 1]
+    work = max(outer, key=lambda i: schedule.spans[i].bundles)
+    prefetches, inner = [i for i in outer if i != work], schedule.children(work)
+    if len(prefetches) > 2 or len(inner) < len(tiles) + 2:
+        raise ValueError(f"{schedule.name}: {len(prefetches)} prefetch spans and {len(inner)} "
+                         f"inside the step's work, expected at most 2, and the init, "
+                         f"{len(tiles)} tiles and the store")
+    runs = dict(zip(prefetches, (1, steps - 1) if len(prefetches) == 2 else (steps - 1,)))
+    runs[work] = steps
+    waits, tail = inner[:-len(tiles) - 2], inner[-len(tiles) - 2:]
+    runs |= dict(zip(tail, [q_blocks, *tiles, q_blocks]))
+    for parent, kids in [(p, schedule.children(p)) for p in prefetches] + [(work, waits)]:
+        for kid in kids:
+            taken = steps - whole_steps if schedule.spans[kid].dmas > 2 else whole_steps
+            runs[kid] = runs[parent] * taken / steps
+    return runs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,11 @@ class Span:
     depth: int        # spans it lies in
     bundles: int
     hbm_dma_bytes: int
+    end: int = 0      # address of the bundle after it
+    dmas: int = 0     # DMA instructions in it (starts and waits)
+
+    def holds(self, other: "Span") -> bool:
+        return self.first <= other.first and other.end <= self.end and other != self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +161,11 @@ class KernelSchedule:
         extra = sum((n - 1) * self.inner_loops[j][0] for j, n in (loop_trips or {}).items())
         return self.step + extra - sum(self.spans[i].bundles * f
                                        for i, f in (skipped or {}).items())
+
+    def children(self, i: int) -> list[int]:
+        """The spans directly inside span i, in order."""
+        return [j for j, span in enumerate(self.spans)
+                if span.depth == self.spans[i].depth + 1 and self.spans[i].holds(span)]
 
     def step_bytes(self, skipped: dict[int, float] | None = None,
                    loop_trips: dict[int, float] | None = None) -> float:
@@ -190,7 +200,9 @@ def _spans(step: list[Bundle], weights: list[int]) -> tuple[Span, ...]:
             continue
         body = range(i + 1, target)
         spans.append(Span(step[i + 1].address, len(open_ends), sum(weights[j] for j in body),
-                          sum(step[j].hbm_dma_bytes * weights[j] for j in body)))
+                          sum(step[j].hbm_dma_bytes * weights[j] for j in body),
+                          step[target].address,
+                          sum(unit_of(op) == "dma" for j in body for op in step[j].opcodes)))
         open_ends.append(target)
     return tuple(spans)
 
