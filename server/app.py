@@ -12,7 +12,13 @@ from absl import logging
 
 from runtime.engine import Engine
 from runtime.errors import STATUSES, ScoreError
-from runtime.request import RerankRequest, parse_rerank_request, parse_score_request
+from runtime.job import ScoreResult
+from runtime.request import (
+    RerankRequest,
+    ScoreRequest,
+    parse_rerank_request,
+    parse_score_request,
+)
 from runtime.rerank import RerankResult
 from server.access import AccessPolicy
 from server.http import (
@@ -210,12 +216,7 @@ class ScoreServer:
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
         result = await self._queued(self.engine.submit, score_req, gone)
-        n = result.prompt_tokens
-        return Answer(200, {"scores": result.scores, "model": score_req.model,
-                            "object": "scoring", "usage": {"prompt_tokens": n,
-                                                           "completion_tokens": 0,
-                                                           "total_tokens": n}},
-                      [], len(result.scores))
+        return Answer(200, score_response(score_req, result), [], len(result.scores))
 
     async def _rerank(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
@@ -282,6 +283,13 @@ class ScoreServer:
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
                 "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}
+
+
+def score_response(req: ScoreRequest, result: ScoreResult) -> dict:
+    """SGLang's /v1/score response body."""
+    n = result.prompt_tokens
+    return {"scores": result.scores, "model": req.model, "object": "scoring",
+            "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
 def rerank_response(req: RerankRequest, result: RerankResult) -> dict:
