@@ -2,8 +2,13 @@
 
 Scores a file of /v1/score and /v1/rerank requests on the engine, without HTTP, in OpenAI's
 batch file format (`server/batch_job.py`). Killed and started again with the same arguments,
-it scores only the lines without a result. The engine's flags are the server's.
+it scores only the lines without a result. The engine's flags are the server's. With
+--ray-actors N, the job's shards run on N engine actors of a Ray cluster
+(`server/batch_ray.py`).
 """
+import glob
+import json
+import os
 import sys
 import time
 
@@ -20,7 +25,8 @@ from server.batch_job import (
     routes,
     run_job,
 )
-from server.engine_flags import define_engine_flags, start_engine
+from server.batch_ray import run_ray_job, shards
+from server.engine_flags import define_engine_flags, engine_config, start_engine
 
 FLAGS = flags.FLAGS
 
@@ -33,6 +39,16 @@ def define_batch_flags() -> None:
                         "restart")
     flags.DEFINE_integer("max_in_flight", 512, "requests submitted and not answered: enough "
                          "to fill every forward")
+    flags.DEFINE_integer("ray_actors", 0, "run under Ray Data on this many engine actors, one "
+                         "per device group (the batch extra); --input then names JSONL files "
+                         "(a glob), --output a directory of a result file per shard; 0: one "
+                         "process, no Ray")
+    flags.DEFINE_string("ray_address", None, "the Ray cluster to join (ray.init's address); "
+                        "default: a local one, or RAY_ADDRESS")
+    flags.DEFINE_integer("ray_lines_per_shard", 0, "under Ray, shards of this many lines; 0: "
+                         "a shard per input file")
+    flags.DEFINE_string("ray_actor_resources", "", 'under Ray, what each engine actor asks '
+                        'beside a CPU, as JSON: {"TPU": 4} for a v6e host\'s 4 chips')
     flags.mark_flags_as_required(["input", "output"])
 
 
@@ -71,10 +87,31 @@ def count_lines(path: str) -> int:
     return n
 
 
-def main(argv) -> None:
-    del argv
-    if FLAGS.nnodes > 1:
-        raise app.UsageError("the batch command runs on one host (--nnodes 1)")
+def run_on_ray() -> None:
+    """The job's shards on a Ray cluster's engine actors (server/batch_ray.py)."""
+    import ray  # the batch extra
+    inputs = sorted(glob.glob(FLAGS.input))
+    if not inputs:
+        raise app.UsageError(f"--input {FLAGS.input}: no such files")
+    try:
+        resources = json.loads(FLAGS.ray_actor_resources or "{}")
+    except ValueError as e:
+        raise app.UsageError(f"--ray-actor-resources: {e}") from None
+    os.makedirs(FLAGS.output, exist_ok=True)
+    address = FLAGS.ray_address or os.environ.get("RAY_ADDRESS")
+    # a local cluster: a CPU for each actor and one for Ray Data's own tasks, at least
+    ray.init(address=address, **({} if address else {
+        "num_cpus": max(os.cpu_count() or 1, FLAGS.ray_actors + 1)}))
+    counts = run_ray_job(shards(inputs, FLAGS.output, FLAGS.ray_lines_per_shard),
+                         FLAGS.model_path, engine_config(), FLAGS.ray_actors,
+                         FLAGS.max_in_flight, resources, FLAGS.compile_cache_dir)
+    logging.info("%d shards: %d results written (%d failed, %d items) under %s", len(counts),
+                 sum(c["requests"] for c in counts), sum(c["failed"] for c in counts),
+                 sum(c["items"] for c in counts), FLAGS.output)
+
+
+def run_here() -> None:
+    """The job in this process, on its own engine."""
     parquet = FLAGS.input.endswith(".parquet")
     try:  # a bad path or file fails before the model loads
         total = (parquet_row_count if parquet else count_lines)(FLAGS.input)
@@ -96,6 +133,14 @@ def main(argv) -> None:
     finally:
         log.close()
         engine.close()
+
+
+def main(argv) -> None:
+    del argv
+    if FLAGS.nnodes > 1:
+        raise app.UsageError("the batch command runs on one host (--nnodes 1); for many, "
+                             "--ray-actors")
+    (run_on_ray if FLAGS.ray_actors else run_here)()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ input order; `id` names the input line (`batch_req_<n>`, from 0).
 """
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -72,11 +73,12 @@ def request_line(index: int, raw: bytes, urls) -> BatchLine:
     return BatchLine(index, custom_id, url, line["body"])
 
 
-def jsonl_lines(path: str, urls) -> Iterator[BatchLine]:
-    """The file's request lines, read as they are needed; blank lines are not requests."""
+def jsonl_lines(path: str, urls, first: int = 0, end: int | None = None) -> Iterator[BatchLine]:
+    """The file's request lines (those of lines [first, end)), read as they are needed; blank
+    lines are not requests."""
     with open(path, "rb") as f:
-        for index, raw in enumerate(f):
-            if raw.strip():
+        for index, raw in enumerate(itertools.islice(f, end)):
+            if index >= first and raw.strip():
                 yield request_line(index, raw, urls)
 
 
