@@ -60,8 +60,9 @@ class BlockSizes:
 
     def tiles(self) -> tuple[int, int]:
         """Tiles of a step: (along its q block, along its KV block)."""
-        tile = self.tile or None
-        return (self.q_block // tile, self.kv_block // tile) if tile else (1, 1)
+        if not self.tile:
+            return 1, 1
+        return self.q_block // self.tile, self.kv_block // self.tile
 
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
