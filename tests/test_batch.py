@@ -210,3 +210,36 @@ def test_a_parquet_file_without_the_columns_is_refused(tmp_path):
                                 path)
     with pytest.raises(ValueError, match="lacks label_token_ids"):
         parquet_row_count(str(path))
+
+
+def test_a_large_input_is_streamed_not_loaded(tmp_path):
+    """100,000 request lines (50 MB) through the job with a route that answers at once: the
+    memory it holds stays a small part of the file's size (the lines in flight, the results
+    being written, a bit a line for which are done)."""
+    import concurrent.futures
+    import tracemalloc
+    from server.batch_job import Route
+
+    def answered(request):
+        future = concurrent.futures.Future()
+        future.set_result(len(request["items"]))
+        return future
+
+    route = Route(lambda body: body, answered, lambda req, n: {"items": n}, lambda req: 1)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    padding = "x" * 400
+    with open(src, "w") as f:
+        for k in range(100_000):
+            f.write(request(str(k), "/v1/score", {"query": padding, "items": [str(k)]}) + "\n")
+    size = src.stat().st_size
+    log = ResultLog(str(out))
+    tracemalloc.start()
+    try:
+        counts = run_job(jsonl_lines(str(src), {"/v1/score"}), log, {"/v1/score": route}, 64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        log.close()
+    assert counts.requests == 100_000 and counts.failed == 0 and size > 45e6
+    assert peak < size / 20, f"{peak / 1e6:.1f} MB held for a {size / 1e6:.0f} MB input"
+    assert sum(1 for _ in open(out)) == 100_000
