@@ -1,6 +1,7 @@
 """The batch command against the server it stands beside: the same requests, SGLang's base
-shape with every request its own query, scored by `python -m server.batch` and by the server
-under `clients` concurrent clients, in turn, on the same checkpoint and engine flags.
+shape with every request its own query, scored by `python -m server.batch`, by the server
+under `clients` concurrent clients, and (at the default engine flags) by the engine alone in
+this process, in turn, on the same checkpoint and engine flags.
 
 python -m profiling.bench_batch [--model-path DIR] [--requests 2000] [--clients 64]
     [--rounds 3] [--engine-args ""] [--out batch.json]
@@ -12,7 +13,9 @@ wall clock, after a warm-up pass over other requests), the batch command's from 
 (the job alone, after the engine's start and compile); the median of the rounds.
 """
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import re
 import statistics
@@ -28,6 +31,9 @@ from profiling.score_client import ConnectionPool, server_vocab
 from profiling.server_process import running_server
 from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+from runtime.request import parse_score_request
 
 FLAGS = flags.FLAGS
 _JOB = re.compile(r"(\d+) results written \((\d+) failed, (\d+) items\) in ([\d.]+) s")
@@ -85,6 +91,29 @@ def batch_items_per_s(model_path: str, bodies: list[bytes], engine_args: str,
     return int(job.group(3)) / float(job.group(4))
 
 
+def engine_items_per_s(model_path: str, bodies: list[bytes], warm: list[bytes]) -> float:
+    """The engine's own ceiling, in a process of its own (a JAX runtime left in this one, the
+    clients', slowed the server after it by a tenth): every request parsed first, then all
+    submitted at once, at the default engine flags."""
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(_engine_alone, model_path, bodies, warm).result()
+
+
+def _engine_alone(model_path: str, bodies: list[bytes], warm: list[bytes]) -> float:
+    engine = Engine.from_path(model_path, EngineConfig())
+    try:
+        concurrent.futures.wait([engine.submit(parse_score_request(json.loads(b)))
+                                 for b in warm])
+        requests = [parse_score_request(json.loads(b)) for b in bodies]
+        start = time.perf_counter()
+        concurrent.futures.wait([engine.submit(r) for r in requests])
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    return len(bodies) * SHAPE["num_items"] / seconds
+
+
 def run(model_path: str, requests: int, clients: int, rounds: int, engine_args: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         with running_server(model_path, engine_args) as served:
@@ -96,14 +125,16 @@ def run(model_path: str, requests: int, clients: int, rounds: int, engine_args: 
         for _ in range(rounds):
             rows.append({"server": server_items_per_s(model_path, bodies, warm, clients,
                                                       engine_args),
-                         "batch": batch_items_per_s(model_path, bodies, engine_args, tmp)})
-    server = statistics.median(r["server"] for r in rows)
-    batch = statistics.median(r["batch"] for r in rows)
+                         "batch": batch_items_per_s(model_path, bodies, engine_args, tmp),
+                         **({} if engine_args else {
+                             "engine": engine_items_per_s(model_path, bodies, warm)})})
+    medians = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {"shape": {**SHAPE, "distinct_queries": True}, "requests": requests,
             "clients": clients, "engine_args": engine_args, "rounds": rows,
-            "server_items_per_s": server, "batch_items_per_s": batch, "batch_over_server":
-            batch / server, "timing": "medians of the rounds; server: client wall clock, "
-            "batch: the job's own time"}
+            **{f"{k}_items_per_s": v for k, v in medians.items()},
+            "batch_over_server": medians["batch"] / medians["server"],
+            "timing": "medians of the rounds; server: client wall clock, batch: the job's own "
+            "time, engine: in this process, the requests parsed first"}
 
 
 def main(argv) -> None:
@@ -113,9 +144,10 @@ def main(argv) -> None:
         result = run(model_path, FLAGS.requests, FLAGS.clients, FLAGS.rounds,
                      FLAGS.engine_args)
     for k, row in enumerate(result["rounds"]):
-        print(f"round {k}: server {row['server']:.0f} items/s, batch {row['batch']:.0f} items/s")
+        print(f"round {k}: " + ", ".join(f"{name} {v:.0f} items/s" for name, v in row.items()))
     print(f"median: server {result['server_items_per_s']:.0f}, batch "
-          f"{result['batch_items_per_s']:.0f} items/s ({result['batch_over_server']:.2f}x)")
+          f"{result['batch_items_per_s']:.0f} items/s ({result['batch_over_server']:.2f}x); "
+          f"the engine alone {result.get('engine_items_per_s', float('nan')):.0f}")
     write_json({**result, "model_path": FLAGS.model_path or "tiny"}, FLAGS.out)
 
 
