@@ -243,3 +243,20 @@ def test_a_large_input_is_streamed_not_loaded(tmp_path):
     assert counts.requests == 100_000 and counts.failed == 0 and size > 45e6
     assert peak < size / 20, f"{peak / 1e6:.1f} MB held for a {size / 1e6:.0f} MB input"
     assert sum(1 for _ in open(out)) == 100_000
+
+
+def test_progress_is_a_line_rewritten_on_a_terminal_and_nothing_elsewhere():
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal, pipe = Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        progress = Progress(total=10, done_before=0, stream=stream, every_s=0.0)
+        progress(Counts(requests=4, items=40))
+        progress(Counts(requests=10, items=100), final=True)
+    assert terminal.getvalue().startswith("\r4/10 requests (0 failed), 40 items")
+    assert "\r10/10 requests" in terminal.getvalue() and terminal.getvalue().endswith("\n")
+    assert pipe.getvalue() == ""
