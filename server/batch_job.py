@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import time
 from typing import Callable, Iterable, Iterator
 
 from runtime.engine import Engine
@@ -190,10 +191,11 @@ def run_job(lines: Iterable[BatchLine], log: ResultLog, routes_: dict[str, Route
             max_in_flight: int, on_progress: Callable[[Counts], None] = lambda c: None,
             sync_every_s: float = 1.0) -> Counts:
     """Scores every line without a result in `log`, `max_in_flight` requests at a time,
-    writing each result as it finishes."""
+    writing each result as it finishes; the file is synced to disk at most every
+    `sync_every_s` (a process killed loses nothing written; a machine lost, that much)."""
     counts, in_flight = Counts(), {}
     pending = (line for line in lines if not log.has(line.index))
-    exhausted = False
+    exhausted, synced = False, time.monotonic()
     while not exhausted or in_flight:
         while not exhausted and len(in_flight) < max_in_flight:
             line = next(pending, None)
@@ -208,7 +210,9 @@ def run_job(lines: Iterable[BatchLine], log: ResultLog, routes_: dict[str, Route
                 list(in_flight), timeout=sync_every_s,
                 return_when=concurrent.futures.FIRST_COMPLETED)
             _record(log, counts, [_answer(f, *in_flight.pop(f)) for f in finished])
+        if time.monotonic() - synced >= sync_every_s:
             log.sync()
+            synced = time.monotonic()
         on_progress(counts)
     return counts
 
@@ -222,7 +226,7 @@ def _submit(line: BatchLine, routes_: dict[str, Route], in_flight: dict):
     try:
         request = route.parse(line.body)
         in_flight[route.submit(request)] = (line, route, request)
-    except ScoreError as e:
+    except Exception as e:  # refused (a ScoreError), or a bug: this line's result only
         return _failed(line, e)
     return None
 

@@ -260,3 +260,35 @@ def test_progress_is_a_line_rewritten_on_a_terminal_and_nothing_elsewhere():
     assert terminal.getvalue().startswith("\r4/10 requests (0 failed), 40 items")
     assert "\r10/10 requests" in terminal.getvalue() and terminal.getvalue().endswith("\n")
     assert pipe.getvalue() == ""
+
+
+def test_a_request_that_raises_fails_its_own_line_only(tmp_path):
+    """A bug met while submitting or answering one request is that line's 500, as over HTTP;
+    the lines around it are answered."""
+    import concurrent.futures
+    from server.batch_job import Route
+
+    def submit(request):
+        if request["query"] == "raise on submit":
+            raise RuntimeError("submit broke")
+        future = concurrent.futures.Future()
+        if request["query"] == "raise on answer":
+            future.set_exception(RuntimeError("forward broke"))
+        else:
+            future.set_result(1)
+        return future
+
+    route = Route(lambda body: body, submit, lambda req, n: {"n": n}, lambda req: 1)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(request(q, "/v1/score", {"query": q}) + "\n" for q in
+                           ["fine", "raise on submit", "raise on answer", "fine too"]))
+    log = ResultLog(str(out))
+    try:
+        counts = run_job(jsonl_lines(str(src), {"/v1/score"}), log, {"/v1/score": route}, 4)
+    finally:
+        log.close()
+    got = by_line([json.loads(x) for x in out.read_text().splitlines()])
+    assert counts.requests == 4 and counts.failed == 2
+    assert [got[k]["response"]["status_code"] for k in range(4)] == [200, 500, 500, 200]
+    assert "submit broke" in got[1]["response"]["body"]["message"]
+    assert "forward broke" in got[2]["response"]["body"]["message"]
