@@ -118,11 +118,18 @@ def run_here() -> None:
         log = ResultLog(FLAGS.output)
     except (OSError, ValueError, ImportError) as e:
         raise app.UsageError(str(e)) from None
+    with log:
+        run_logged(log, total, parquet_rows if parquet else jsonl_lines)
+
+
+def run_logged(log: ResultLog, total: int, read) -> None:
+    """The job in this process, into `log`, on an engine of its own; `read(path, urls)`: the
+    input's lines."""
     engine = start_engine()
     try:
         job_routes = routes(engine)
         progress = Progress(total, log.written)
-        lines = (parquet_rows if parquet else jsonl_lines)(FLAGS.input, job_routes)
+        lines = read(FLAGS.input, job_routes)
         start = time.perf_counter()
         counts = run_job(lines, log, job_routes, FLAGS.max_in_flight, progress)
         seconds = time.perf_counter() - start
@@ -131,7 +138,6 @@ def run_here() -> None:
                      "from earlier runs", counts.requests, counts.failed, counts.items, seconds,
                      counts.items / max(seconds, 1e-9), log.written - counts.requests)
     finally:
-        log.close()
         engine.close()
 
 

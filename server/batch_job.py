@@ -15,7 +15,7 @@ import json
 import os
 import re
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from runtime.engine import Engine
 from runtime.errors import ScoreError
@@ -179,6 +179,19 @@ class ResultLog:
         os.fsync(self._fd)
         os.close(self._fd)
 
+    def __enter__(self) -> "ResultLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Result(NamedTuple):
+    index: int      # the input line it answers
+    line: bytes     # its result line
+    items: int      # items it scored
+    failed: bool
+
 
 @dataclasses.dataclass
 class Counts:
@@ -217,11 +230,12 @@ def run_job(lines: Iterable[BatchLine], log: ResultLog, routes_: dict[str, Route
     return counts
 
 
-def _submit(line: BatchLine, routes_: dict[str, Route], in_flight: dict):
+def _submit(line: BatchLine, routes_: dict[str, Route], in_flight: dict) -> _Result | None:
     """Submits `line`'s request; its result now if it has no request to run."""
     if line.error is not None:
         error = {"code": "invalid_request", "message": line.error}
-        return line.index, result_line(line.index, line.custom_id, None, None, error), 0, True
+        return _Result(line.index, result_line(line.index, line.custom_id, None, None, error), 0,
+                       True)
     route = routes_[line.url]
     try:
         request = route.parse(line.body)
@@ -231,25 +245,25 @@ def _submit(line: BatchLine, routes_: dict[str, Route], in_flight: dict):
     return None
 
 
-def _answer(future, line: BatchLine, route: Route, request):
+def _answer(future, line: BatchLine, route: Route, request) -> _Result:
     try:
         body = route.respond(request, future.result())
     except Exception as e:  # a failed request fails its own line only
         return _failed(line, e)
     items = route.items(request)
-    return line.index, result_line(line.index, line.custom_id, 200, body), items, False
+    return _Result(line.index, result_line(line.index, line.custom_id, 200, body), items, False)
 
 
-def _failed(line: BatchLine, e: Exception):
+def _failed(line: BatchLine, e: Exception) -> _Result:
     """What the HTTP route answers for the error `e`."""
     e = e if isinstance(e, ScoreError) else ScoreError(f"internal error: {e}", 500)
     body = error_body(e.message, e.status, e.type)
-    return line.index, result_line(line.index, line.custom_id, e.status, body), 0, True
+    return _Result(line.index, result_line(line.index, line.custom_id, e.status, body), 0, True)
 
 
-def _record(log: ResultLog, counts: Counts, results: list) -> None:
-    log.write([(index, data) for index, data, _, _ in results])
-    for _, _, items, failed in results:
+def _record(log: ResultLog, counts: Counts, results: list[_Result]) -> None:
+    log.write([(r.index, r.line) for r in results])
+    for r in results:
         counts.requests += 1
-        counts.items += items
-        counts.failed += failed
+        counts.items += r.items
+        counts.failed += r.failed

@@ -55,12 +55,9 @@ class ShardRunner:
         for row in zip(*(batch[k] for k in ("input", "output", "first", "end"))):
             shard = Shard(str(row[0]), str(row[1]), int(row[2]),
                           None if int(row[3]) < 0 else int(row[3]))
-            log = ResultLog(shard.output)
-            try:
+            with ResultLog(shard.output) as log:
                 done = run_job(jsonl_lines(shard.input, self.routes, shard.first, shard.end),
                                log, self.routes, self.max_in_flight)
-            finally:
-                log.close()
             for key, value in (("output", shard.output), ("requests", done.requests),
                                ("items", done.items), ("failed", done.failed)):
                 counts[key].append(value)

@@ -51,12 +51,9 @@ def run(engine, tmp_path, lines: list[str], max_in_flight=8) -> tuple[list[dict]
     tmp_path.mkdir(exist_ok=True)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(line + "\n" for line in lines))
-    log = ResultLog(str(out))
     job_routes = routes(engine)
-    try:
+    with ResultLog(str(out)) as log:
         counts = run_job(jsonl_lines(str(src), job_routes), log, job_routes, max_in_flight)
-    finally:
-        log.close()
     return [json.loads(line) for line in out.read_text().splitlines()], counts
 
 
@@ -189,12 +186,8 @@ def test_parquet_rows_are_score_requests(engine, tmp_path):
     rows = [{**SCORE, "query": f"query {k}"} for k in range(5)]
     path = tmp_path / "in.parquet"
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path, row_group_size=2)
-    log = ResultLog(str(tmp_path / "out.jsonl"))
-    job_routes = routes(engine)
-    try:
-        counts = run_job(parquet_rows(str(path)), log, job_routes, 4)
-    finally:
-        log.close()
+    with ResultLog(str(tmp_path / "out.jsonl")) as log:
+        counts = run_job(parquet_rows(str(path)), log, routes(engine), 4)
     got = by_line([json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()])
     want, _ = run(engine, tmp_path / "jsonl", [request(str(k), "/v1/score", row)
                                                 for k, row in enumerate(rows)])
@@ -232,14 +225,14 @@ def test_a_large_input_is_streamed_not_loaded(tmp_path):
         for k in range(100_000):
             f.write(request(str(k), "/v1/score", {"query": padding, "items": [str(k)]}) + "\n")
     size = src.stat().st_size
-    log = ResultLog(str(out))
     tracemalloc.start()
     try:
-        counts = run_job(jsonl_lines(str(src), {"/v1/score"}), log, {"/v1/score": route}, 64)
+        with ResultLog(str(out)) as log:
+            counts = run_job(jsonl_lines(str(src), {"/v1/score"}), log, {"/v1/score": route},
+                             64)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-        log.close()
     assert counts.requests == 100_000 and counts.failed == 0 and size > 45e6
     assert peak < size / 20, f"{peak / 1e6:.1f} MB held for a {size / 1e6:.0f} MB input"
     assert sum(1 for _ in open(out)) == 100_000
@@ -282,11 +275,8 @@ def test_a_request_that_raises_fails_its_own_line_only(tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(request(q, "/v1/score", {"query": q}) + "\n" for q in
                            ["fine", "raise on submit", "raise on answer", "fine too"]))
-    log = ResultLog(str(out))
-    try:
+    with ResultLog(str(out)) as log:
         counts = run_job(jsonl_lines(str(src), {"/v1/score"}), log, {"/v1/score": route}, 4)
-    finally:
-        log.close()
     got = by_line([json.loads(x) for x in out.read_text().splitlines()])
     assert counts.requests == 4 and counts.failed == 2
     assert [got[k]["response"]["status_code"] for k in range(4)] == [200, 500, 500, 200]

@@ -53,10 +53,10 @@ def test_ray_job_equals_the_single_process_job_and_resumes(ray_cluster, tmp_path
 
     engine = Engine.from_path(checkpoint, cfg)
     try:
+        job_routes = routes(engine)
         for path in inputs:  # a result file per input file: each counts its own lines
-            log = ResultLog(path + ".alone")
-            run_job(jsonl_lines(path, routes(engine)), log, routes(engine), 8)
-            log.close()
+            with ResultLog(path + ".alone") as log:
+                run_job(jsonl_lines(path, job_routes), log, job_routes, 8)
     finally:
         engine.close()
     alone = {k: v for path in inputs for k, v in scores(path + ".alone").items()}
