@@ -173,13 +173,16 @@ def _tile(r, c, refs, slot, scale, *, tile_rows, tile_pages):
 
 
 def _store_output(o_ref, l_ref, acc_ref, *, tile_rows):
-    """The q block's output: rows of padding, which no tile saw, are 0."""
+    """The q block's output: rows of padding, which no tile of the block saw, are 0 (their
+    accumulator may hold an earlier block's sums)."""
     n_heads, n_tiles, d = acc_ref.shape[:3]
     group = acc_ref.shape[-1] // tile_rows
     for r in range(n_tiles):
         l_r = l_ref[:, r]
-        out = acc_ref[:, r] / jnp.where(l_r > 0, l_r, 1.0)  # [Hkv, D, rows]; l >= 1 if seen
-        out = jnp.swapaxes(out, 1, 2).astype(o_ref.dtype)  # rows are (g, token)
+        scale = jnp.where(l_r > 0, 1.0 / l_r, 0.0)  # [Hkv, 1, rows]; l >= 1 if seen
+        # rounded before the transpose, which then moves half the vregs
+        out = (acc_ref[:, r] * scale).astype(o_ref.dtype)  # [Hkv, D, rows]
+        out = jnp.swapaxes(out, 1, 2)  # rows are (g, token)
         for j in range(n_heads * group):
             h, g = divmod(j, group)
             o_ref[r * tile_rows:(r + 1) * tile_rows, pl.ds(j * d, d)] = (
@@ -205,6 +208,8 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
     @pl.when((i == 0) & active)
     def _():
         copies.start(0, 0)
+        # once: a q block's first update scales what the last one left by 0 (a finite sum)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     @pl.when((i + 1 < n) & ((step_flags_ref[nxt] & NOOP) == 0))
     def _():
@@ -219,7 +224,6 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
         def _():
             m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
             l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
         tile_refs = (step_seq_ref, step_kv_ref, kv_lens_ref, shared_lens_ref, q_ref, pos_ref,
                      seq_ref, vis_ref, k_buf, v_buf, m_ref, l_ref, acc_ref)
