@@ -36,10 +36,12 @@ _MIN_COLUMNS = 256  # the MXU's width: narrower blocks run it at half rate
 _VMEM_LIMIT_BYTES = 64 << 20  # the blocks above double-buffered, with the products
 MIN_TOKENS = 512  # projection_kernel_applies
 NORM_MIN_STEPS = 4  # norm_fits
-# The first step waits for its weights a chunk of columns at a time, each just before its
-# products: the wider the chunks, the longer its fill; the narrower, the more waits in its
-# listing (each drains the MXU's pipeline; docs/tpu_v6e.md)
+# The first step's weights come in chunks of columns, its products starting after the first:
+# the wider the chunks, the longer its fill; the narrower, the more waits in its listing
+# (each drains the MXU's pipeline), so after the first it waits for FIRST_STEP_WAIT_CHUNKS
+# chunks at a time (docs/tpu_v6e.md)
 FIRST_CHUNK_COLUMNS = 256
+FIRST_STEP_WAIT_CHUNKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +100,13 @@ def first_chunk_columns(width: int, blocks: ProjectionBlocks) -> int:
     if not blocks.all_columns(width):
         return blocks.columns
     return _columns(width, lambda c: c <= FIRST_CHUNK_COLUMNS)
+
+
+def first_step_waits(chunks: int) -> list[range]:
+    """The first step's chunks of weights in the groups it waits for, each just before the
+    group's first products: the first chunk alone, then FIRST_STEP_WAIT_CHUNKS at a time."""
+    return [range(1)] + [range(c, min(c + FIRST_STEP_WAIT_CHUNKS, chunks))
+                         for c in range(1, chunks, FIRST_STEP_WAIT_CHUNKS)]
 
 
 def projection_kernel_applies(tokens: int, shapes) -> bool:
@@ -176,6 +185,11 @@ class _Layout:
         return (*parts, list(refs[start:]))
 
 
+def sub_block_rows(rows: int) -> int:
+    """Rows of a step's sub-blocks (`_step`)."""
+    return row_block(rows, lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
+
+
 def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
     """One block of tokens times one block of each weight's columns, finished: the first
     product normed and rotated where the call has RoPE. The block's rows go through in
@@ -186,7 +200,7 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
     first sub-block's after `ready(chunk index)`; `after(first_row, rows)` follows each
     sub-block."""
     w_refs, b_refs, rope_refs, residual, x_norm, out_refs = layout.split(refs)
-    block = row_block(x_ref.shape[0], lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
+    block = sub_block_rows(x_ref.shape[0])
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
         waits = ready if start == 0 else None
@@ -230,13 +244,15 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
 
 def _store(out, rows, first_lane: int, y) -> None:
     """y [rows, width] into `out` from lane `first_lane` on: an output block [rows, columns],
-    or a step's staging buffer for pages, heads apart [heads, rows, head_dim]."""
+    or a step's staging buffer for pages, heads apart [heads, pages, page_size, head_dim]."""
     if out.ndim == 2:
         out[rows, pl.ds(first_lane, y.shape[1])] = y
         return
-    d = out.shape[-1]
+    page_size, d = out.shape[-2:]
+    pages = pl.ds(rows.start // page_size, rows.size // page_size)
     for k in range(y.shape[1] // d):
-        out[first_lane // d + k, rows, :] = y[:, k * d:(k + 1) * d]
+        out[first_lane // d + k, pages] = y[:, k * d:(k + 1) * d].reshape(
+            pages.size, page_size, d)
 
 
 def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
@@ -259,8 +275,9 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
     step before computes, or once where one block holds them all. The first block comes in
     chunks of `chunk` columns, each waited for just before its products: the first step
     starts after one chunk, not the whole block."""
-    layer_ref, block_pages = refs[0], refs[1] if layout.paged else None
-    x_ref, *refs = refs[1 + layout.paged:]
+    # with pages: the blocks' pages, and which steps' pages follow each other
+    layer_ref, *page_refs = refs[:1 + 2 * layout.paged]
+    x_ref, *refs = refs[1 + 2 * layout.paged:]
     w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
     if layout.paged:  # then: the pools in (aliased), the pools out, the staging buffer
         *step_refs, _, _, k_pages, v_pages, w_vmem, copied, first, staging, page_sems = rest
@@ -297,9 +314,12 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
             for c in copies(j, slot, copied.at[slot]):
                 c.wait()
 
+    groups = {group.start: group for group in first_step_waits(columns // chunk)}
+
     def ready(c):
-        for copy in first_chunk(c):
-            copy.wait()
+        for k in groups.get(c, ()):
+            for copy in first_chunk(k):
+                copy.wait()
     weights = [w_vmem.at[slot, k] for k in range(layout.weights)]
 
     def compute(*step_refs, after=None):
@@ -319,7 +339,7 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
         compute(*step_refs)
         return
     page_slot = step % 2
-    pages = _PageCopies(layer_ref[0], block_pages, staging, (k_pages, v_pages), page_sems,
+    pages = _PageCopies(layer_ref[0], *page_refs, staging, (k_pages, v_pages), page_sems,
                         pl.program_id(0), j)
     pl.when(step >= 2)(lambda: pages.wait(page_slot))  # the slot's copies of two steps ago
     compute(*step_refs, *pages.buffers(page_slot),
@@ -333,13 +353,16 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
 
 @dataclasses.dataclass(frozen=True)
 class _PageCopies:
-    """A step's k and v, staged heads apart in VMEM ([2 slots, k and v, heads, rows, D]), each
-    block of page_size rows copied into its page as soon as its sub-block is stored (the
-    scalar work of the copies then overlaps the next sub-block's); a slot is reused two steps
-    later, after one wait for all of its copies (a copy of the slot's size on their
-    semaphore)."""
+    """A step's k and v, staged heads apart in VMEM ([2 slots, k and v, heads, the step's
+    pages, page_size, D]), each sub-block copied into its pages as soon as it is stored (the
+    scalar work of the copies then overlaps the next sub-block's): in one copy each for k
+    and v where the step's pages follow each other in the pool, else a copy a page (64
+    starts a step of 512 rows at pages of 16, a branch of some 900 bundles that nothing
+    overlaps; docs/tpu_v6e.md). A slot is reused two steps later, after one wait for all of
+    its copies (a copy of the slot's size on their semaphore)."""
     layer: jax.Array
     block_pages: object  # SMEM [T / page_size]
+    consecutive: object  # SMEM [row steps]: whether a step's pages follow each other
     staging: object
     pools: tuple
     sems: object
@@ -350,16 +373,28 @@ class _PageCopies:
         return [self.staging.at[slot, n] for n in range(2)]
 
     def start(self, slot, first_row: int, rows: int) -> None:
-        heads, step_rows, _ = self.staging.shape[2:]
-        page_size = self.pools[0].shape[3]
-        first = self.row_block * (step_rows // page_size)
+        heads, step_pages, page_size = self.staging.shape[2:5]
+        first = first_row // page_size  # the sub-block's first page of the step
+        n_pages, step_first = rows // page_size, self.row_block * step_pages + first
         head = pl.ds(self.column_block * heads, heads)
-        for b in range(first_row // page_size, (first_row + rows) // page_size):
-            page = self.block_pages[first + b]
+        run = self.consecutive[self.row_block] != 0
+
+        @pl.when(run)
+        def _():
             for n, pool in enumerate(self.pools):
                 pltpu.make_async_copy(
-                    self.staging.at[slot, n, :, pl.ds(b * page_size, page_size)],
-                    pool.at[self.layer, head, page], self.sems.at[slot]).start()
+                    self.staging.at[slot, n, :, pl.ds(first, n_pages)],
+                    pool.at[self.layer, head, pl.ds(self.block_pages[step_first], n_pages)],
+                    self.sems.at[slot]).start()
+
+        @pl.when(jnp.logical_not(run))
+        def _():
+            for b in range(n_pages):
+                page = self.block_pages[step_first + b]
+                for n, pool in enumerate(self.pools):
+                    pltpu.make_async_copy(self.staging.at[slot, n, :, first + b],
+                                          pool.at[self.layer, head, page],
+                                          self.sems.at[slot]).start()
 
     def wait(self, slot) -> None:
         """All of a slot's copies: one wait of the slot's size on their semaphore."""
@@ -418,7 +453,9 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
-        [] if pages is None else [pages.block_pages.astype(jnp.int32)])
+        [] if pages is None else [pages.block_pages.astype(jnp.int32),
+                                  consecutive_steps(pages.block_pages,
+                                                    blocks.rows // pages.k_pages.shape[3])])
     operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
                 *([] if residual is None else [residual]),
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)])]
@@ -456,6 +493,14 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 lane_group(rope.head_dim) if rope else 0)),
         interpret=interpret,
     )(*scalars, *operands, *out.operands())
+
+
+def consecutive_steps(block_pages, pages_per_step: int):
+    """Per step of rows, 1 where its blocks' pages follow each other in the pool (a copy
+    each for k and v takes them all), else 0; int32 [T / page_size / pages_per_step]."""
+    runs = jnp.reshape(block_pages, (-1, pages_per_step))
+    following = runs == runs[:, :1] + jnp.arange(pages_per_step)
+    return jnp.all(following, axis=1).astype(jnp.int32)
 
 
 def _check_residual(residual, shape: tuple, dtype, outputs: int, paged: bool) -> None:
@@ -585,7 +630,9 @@ class _Outputs:
         if self.pages is None:
             return []
         d = self.pages.k_pages.shape[-1]
-        return [pltpu.VMEM((2, 2, self.blocks.columns // d, self.blocks.rows, d), self.dtype),
+        page_size = self.pages.k_pages.shape[3]
+        return [pltpu.VMEM((2, 2, self.blocks.columns // d, self.blocks.rows // page_size,
+                            page_size, d), self.dtype),
                 pltpu.SemaphoreType.DMA((2,))]
 
     def operands(self) -> tuple:

@@ -41,39 +41,26 @@ _SCORES_AHEAD = 2  # KV heads whose scores are computed ahead of a head's softma
 class _KvCopies:
     """A step's KV block, K and V, into a slot of the two-slot VMEM buffers: one copy each
     where the pages that hold the sequence's keys in it follow each other in the pool (the
-    copy reads on to the block's end: keys past the sequence are masked), else a copy a page.
-    A step of pages of 16 issues 32 DMAs otherwise, whose starts the compiler puts in a
-    block of their own (docs/tpu_v6e.md, "Whole blocks of pages in one copy")."""
+    copy reads on to the block's end: keys past the sequence are masked; `whole_blocks`),
+    else a copy a page. A step of pages of 16 issues 32 DMAs otherwise, whose starts the
+    compiler puts in a block of their own (docs/tpu_v6e.md, "Whole blocks of pages in one
+    copy")."""
     layer_ref: object
     step_seq_ref: object
     step_kv_ref: object
     pages_ref: object
-    kv_lens_ref: object
+    whole_ref: object  # SMEM: whether a sequence's KV block comes in one copy (whole_blocks)
     k_hbm: object
     v_hbm: object
     k_buf: object
     v_buf: object
     sems: object
-    whole_ref: object  # SMEM [2]: whether a slot's block came in one copy
     pages_per_seq: int
     pages_per_block: int
 
     def _first_page(self, step):
         return (self.step_seq_ref[step] * self.pages_per_seq
                 + self.step_kv_ref[step] * self.pages_per_block)
-
-    def _whole(self, step):
-        """Whether the block's pages that hold keys are consecutive, and the block fits the
-        pool from its first page."""
-        page, ppb = self.k_hbm.shape[3], self.pages_per_block
-        keys = (self.kv_lens_ref[self.step_seq_ref[step]]
-                - self.step_kv_ref[step] * ppb * page)
-        base = self._first_page(step)
-        first = self.pages_ref[base]
-        whole = first + ppb <= self.k_hbm.shape[2]
-        for j in range(1, ppb):
-            whole &= (j * page >= keys) | (self.pages_ref[base + j] == first + j)
-        return whole
 
     def _copies(self, step, slot, whole: bool) -> list:
         base, layer = self._first_page(step), self.layer_ref[0]
@@ -88,14 +75,15 @@ class _KvCopies:
                 for j in range(self.pages_per_block) for n, (src, dst) in enumerate(pairs)]
 
     def start(self, step, slot) -> None:
-        whole = self._whole(step)
-        self.whole_ref[slot] = whole.astype(jnp.int32)
-        self._each(whole, step, slot, lambda c: c.start())
+        self._each(step, slot, lambda c: c.start())
 
     def wait(self, step, slot) -> None:
-        self._each(self.whole_ref[slot] != 0, step, slot, lambda c: c.wait())
+        self._each(step, slot, lambda c: c.wait())
 
-    def _each(self, whole, step, slot, act) -> None:
+    def _each(self, step, slot, act) -> None:
+        block = (self.step_seq_ref[step] * (self.pages_per_seq // self.pages_per_block)
+                 + self.step_kv_ref[step])
+        whole = self.whole_ref[block] != 0
         for taken in (True, False):
             @pl.when(whole == taken)
             def _():
@@ -190,15 +178,15 @@ def _store_output(o_ref, l_ref, acc_ref, *, tile_rows):
 
 
 def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref,
-            step_tiles_ref, pages_ref, kv_lens_ref, shared_lens_ref,
+            step_tiles_ref, pages_ref, whole_ref, kv_lens_ref, shared_lens_ref,
             q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm,
             o_ref,
-            k_buf, v_buf, sems, whole_ref, m_ref, l_ref, acc_ref,
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
             *, sm_scale, pages_per_seq, pages_per_block, tiles):
     i, n = pl.program_id(0), pl.num_programs(0)
     del step_block_ref  # read by the index maps
-    copies = _KvCopies(layer_ref, step_seq_ref, step_kv_ref, pages_ref, kv_lens_ref, k_hbm,
-                       v_hbm, k_buf, v_buf, sems, whole_ref, pages_per_seq, pages_per_block)
+    copies = _KvCopies(layer_ref, step_seq_ref, step_kv_ref, pages_ref, whole_ref, k_hbm,
+                       v_hbm, k_buf, v_buf, sems, pages_per_seq, pages_per_block)
     flags = step_flags_ref[i]
     active = (flags & NOOP) == 0
     nxt = jnp.minimum(i + 1, n - 1)
@@ -243,22 +231,38 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
             _store_output(o_ref, l_ref, acc_ref, tile_rows=tile_rows)
 
 
+def _block_pages(md: AttentionMetadata, ppb: int):
+    """Each sequence's page table in whole KV blocks of `ppb` pages."""
+    return jnp.pad(md.page_indices, ((0, 0), (0, -md.page_indices.shape[1] % ppb)))
+
+
+def whole_blocks(md: AttentionMetadata, ppb: int, page_size: int, num_pages: int):
+    """Per KV block of each sequence ([sequences x blocks a sequence], row-major), 1 where
+    its pages that hold the sequence's keys follow each other in the pool and the block fits
+    the pool from its first page (one copy each for K and V takes it), else 0: int32, from
+    the page table alone (no gather), once a forward (the layer loop's invariant), not by
+    each step's scalar unit."""
+    pages = _block_pages(md, ppb)
+    n_seqs, per_seq = pages.shape[0], pages.shape[1] // ppb
+    blocks = pages.reshape(n_seqs, per_seq, ppb)
+    j = jnp.arange(ppb)
+    keys = md.kv_lens[:, None] - jnp.arange(per_seq) * ppb * page_size  # [seqs, blocks]
+    first = blocks[..., :1]
+    held = (j * page_size >= keys[..., None]) | (blocks == first + j)
+    whole = jnp.all(held, axis=-1) & (first[..., 0] + ppb <= num_pages)
+    return whole.astype(jnp.int32).reshape(-1)
+
+
 def whole_block_steps(plan: AttentionPlan, md: AttentionMetadata, sizes: BlockSizes,
                       page_size: int, num_pages: int) -> int:
-    """The real steps of a concrete `plan` whose KV block the kernel copies whole (the rule
-    of `_KvCopies`), for estimates."""
+    """The real steps of a concrete `plan` whose KV block the kernel copies whole, for
+    estimates."""
     ppb = sizes.kv_block // page_size
-    pages = np.asarray(md.page_indices)
-    pages = np.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
     real = (np.asarray(plan.step_flags) & NOOP) == 0
-    whole = 0
-    for seq, kv in zip(np.asarray(plan.step_seq)[real], np.asarray(plan.step_kv)[real]):
-        block = pages[seq, kv * ppb:(kv + 1) * ppb]
-        keys = int(md.kv_lens[seq]) - kv * ppb * page_size
-        held = block[:-(-keys // page_size)]
-        whole += bool(block[0] + ppb <= num_pages
-                      and (held == block[0] + np.arange(len(held))).all())
-    return whole
+    per_seq = -(-np.asarray(md.page_indices).shape[1] // ppb)
+    whole = np.asarray(whole_blocks(md, ppb, page_size, num_pages))
+    steps = np.asarray(plan.step_seq) * per_seq + np.asarray(plan.step_kv)
+    return int(np.sum(whole[steps[real]]))
 
 
 def attention_cost(steps: int, q_blocks: int, rows: int, hkv: int, d: int, kv_block: int,
@@ -318,14 +322,13 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     rows = group * bq // tiles[0]  # of a tile
     step_tiles = plan.step_flags if plan.step_tiles is None else plan.step_tiles  # unread
     ppb = sizes.kv_block // page_size
-    pages = md.page_indices
-    pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % ppb)))
+    pages = _block_pages(md, ppb)
     block_map = lambda i, lyr, sb, *_: (sb[i], 0)  # noqa: E731
     row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
     kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
                                pages_per_block=ppb, tiles=tiles)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=9,
+        num_scalar_prefetch=10,
         grid=(jnp.asarray(plan.num_steps, jnp.int32),),
         in_specs=[pl.BlockSpec((bq, hq * d), block_map)]
         + [pl.BlockSpec((1, tiles[0], rows), row_map)] * 3
@@ -334,7 +337,6 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         scratch_shapes=[pltpu.VMEM((2, hkv, ppb, page_size, d), k_pages.dtype),
                         pltpu.VMEM((2, hkv, ppb, page_size, d), v_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.SMEM((2,), jnp.int32),  # a slot's block came in one copy
                         pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
                         pltpu.VMEM((hkv, tiles[0], 1, rows), jnp.float32),
                         pltpu.VMEM((hkv, tiles[0], d, rows), jnp.float32)])
@@ -344,13 +346,13 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         # the output takes q's buffer: a q block is read before its output is written, and
         # blocks of padding only, which have no step, keep q's (finite) rows, with no
         # buffer of zeros to write in every layer (32 MiB at 8192 tokens: docs/tpu_v6e.md)
-        input_output_aliases={9: 0},
+        input_output_aliases={10: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, group * bq, hkv, d,
                                      sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
-      plan.step_kv, plan.step_flags, step_tiles, pages.reshape(-1), md.kv_lens,
-      md.shared_lens,
+      plan.step_kv, plan.step_flags, step_tiles, pages.reshape(-1),
+      whole_blocks(md, ppb, page_size, k_pages.shape[2]), md.kv_lens, md.shared_lens,
       *_in_blocks(q, md, hkv, sizes), k_pages, v_pages)
     return out[:t].reshape(t, hq, d)

@@ -241,12 +241,15 @@ def test_the_first_steps_weights_arrive_in_chunks():
 
 @pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128),
                                     ProjectionBlocks(32, 256), ProjectionBlocks(64, 128)])
-def test_k_and_v_go_into_their_pages(blocks):
+@pytest.mark.parametrize("block_pages", [[5, 2, 7, 8], [3, 4, 5, 6], [2, 3, 4, 8]])
+def test_k_and_v_go_into_their_pages(blocks, block_pages):
     """With pages, k's and v's products (k normed and rotated, biases, their weights one
     group read at a traced layer) go into the page of their block of rows, each step's copies
     in flight while the next steps compute (race detection): each page as the reference
     writes it, and every other page and layer as it was; a padding block's page (the pool's
-    last) takes it and nothing else does."""
+    last) takes it and nothing else does. A step's pages that follow each other go in one
+    copy for k and one for v, the others a page at a time (pages shuffled, consecutive, and
+    both in one batch)."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from kernels.projection_kernel import PageWrite
     from kernels.rope_kernel import HeadRope, rope_lane_tables
@@ -255,12 +258,12 @@ def test_k_and_v_go_into_their_pages(blocks):
         (3, 2, 9, 16, 128))
     cos, sin = rope_lane_tables(jnp.arange(64) * 5, 128, 1e6)
     rope = HeadRope(cos, sin, 1 + weight / 4, 128, 1e-6)
-    pages = PageWrite(k_pool, v_pool, jnp.asarray([5, 2, 7, 8], jnp.int32))  # 8: padding
+    pages = PageWrite(k_pool, v_pool, jnp.asarray(block_pages, jnp.int32))  # 8: padding
     interpret = pltpu.InterpretParams(detect_races=True)
     got = jax.jit(lambda x, at: project(x, (kv,), (b, b), layer=at, rope=rope, pages=pages,
                                         blocks=blocks, interpret=interpret))(x, jnp.int32(1))
     want = project_reference(x, (kv,), (b, b), layer=1, rope=rope, pages=pages)
-    written = [5, 2, 7]
+    written = [p for p in block_pages if p != 8]
     for g, w, pool in zip(got, want, (k_pool, v_pool)):
         np.testing.assert_allclose(_f32(g[1, :, written]), _f32(w[1, :, written]),
                                    rtol=2 ** -7, atol=2e-2)
@@ -275,6 +278,16 @@ def test_k_and_v_go_into_their_pages(blocks):
     with pytest.raises(ValueError, match="whole pages and heads"):
         project(x, (kv,), pages=pages, layer=0, blocks=ProjectionBlocks(8, 128),
                 interpret=True)
+
+
+def test_a_steps_pages_in_one_copy_where_they_follow_each_other():
+    """A step's pages go in one copy for k and one for v where they follow each other in the
+    pool, a padding block's (the pool's last, repeated) breaking the run."""
+    from kernels.projection_kernel import consecutive_steps
+    pages = jnp.asarray([5, 2, 7, 8, 3, 4, 4, 4], jnp.int32)
+    assert consecutive_steps(pages, 2).tolist() == [0, 1, 1, 0]
+    assert consecutive_steps(pages, 4).tolist() == [0, 0]
+    assert consecutive_steps(pages, 1).tolist() == [1] * 8
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -465,3 +478,15 @@ def test_the_estimate_prices_a_projection_at_its_steps_within_its_bounds():
                     projection_bytes(tokens, depth, width, 1, 1, 2, 2, blocks)
                     / V6E_HBM_BYTES_PER_S)
         assert bound <= est["v6e_estimate_s"] <= 1.5 * bound, (tokens, est)
+
+
+def test_the_first_step_waits_for_its_weights_two_chunks_at_a_time():
+    """After the first chunk alone (the products start after one), each wait takes two: six
+    waits drain the MXU's pipeline where twelve did (gate and up at 3,072 columns), and the
+    last products after a wait are one chunk's where the chunks are even."""
+    from kernels.projection_kernel import first_step_waits
+    assert [list(g) for g in first_step_waits(12)] == [
+        [0], [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11]]
+    assert [list(g) for g in first_step_waits(4)] == [[0], [1, 2], [3]]
+    assert [list(g) for g in first_step_waits(1)] == [[0]]
+    assert sorted(c for g in first_step_waits(9) for c in g) == list(range(9))

@@ -12,6 +12,7 @@ from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
     KernelSchedule,
     V6E_HBM_BYTES_PER_S,
+    Span,
     compile_schedules,
     estimate_seconds,
     parse_bundles,
@@ -301,3 +302,25 @@ def test_the_forwards_estimate_prices_every_layer_and_its_kernels(capsys):
     assert 0.9 < dot_flops / layer_flops(cfg, est["shape"]["tokens"]) <= 1
     mlp_weights = 2 * cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
     assert est["seconds"] > mlp_weights / V6E_HBM_BYTES_PER_S
+
+
+def test_a_projections_page_by_page_branch_is_priced_in_the_steps_that_take_it():
+    """k's and v's projection into pages: each body (the first step's, the others') holds a
+    branch that copies the pages one by one (2 DMAs a page), taken where a step's pages do
+    not follow each other; the first and other steps are priced with it at that share."""
+    from profiling.v6e.kernel_estimates import PageRuns, _first_step_bundles
+    spans = (Span(first=0, depth=0, bundles=2000, hbm_dma_bytes=0, end=2000, dmas=130),
+             Span(first=10, depth=1, bundles=1100, hbm_dma_bytes=0, end=1110, dmas=66),
+             Span(first=900, depth=2, bundles=200, hbm_dma_bytes=0, end=1100, dmas=64),
+             Span(first=1110, depth=1, bundles=880, hbm_dma_bytes=0, end=1990, dmas=64),
+             Span(first=1700, depth=2, bundles=200, hbm_dma_bytes=0, end=1900, dmas=64))
+    s = KernelSchedule("project_kv", total_bundles=2020, prologue=10, step=2000, epilogue=10,
+                       step_units={}, step_hbm_dma_bytes=0, step_unsized_dmas=0, spans=spans,
+                       inner_loops=())
+    assert _first_step_bundles(s, True) == (2000 - 880, 2000 - 1100)  # every branch taken
+    assert _first_step_bundles(s, True, PageRuns(64, 1.0)) == (2000 - 880 - 200,
+                                                               2000 - 1100 - 200)
+    assert _first_step_bundles(s, True, PageRuns(64, 0.25)) == (2000 - 880 - 50,
+                                                                2000 - 1100 - 50)
+    with pytest.raises(ValueError, match="no first-step and other-step bodies"):
+        _first_step_bundles(dataclasses.replace(s, spans=spans[:3]), True)

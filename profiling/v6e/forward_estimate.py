@@ -9,7 +9,7 @@ import numpy as np
 
 from kernels.attention_plan import host_plan, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
-from kernels.projection_kernel import call_blocks
+from kernels.projection_kernel import call_blocks, consecutive_steps, sub_block_rows
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -29,6 +29,7 @@ from model.decoder import (
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
     AttentionBlocks,
+    PageRuns,
     attention_estimate,
     kv_write_estimate,
     label_gather_estimate,
@@ -150,9 +151,11 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
              and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
     into_pages = "write_kv_pages" not in schedules  # k and v go to pages in their projection
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
+    paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
+             if into_pages else {})
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        blocks[name])
+        blocks[name], paged.get(name))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
@@ -166,6 +169,16 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}
+
+
+def _page_runs(batch, blocks, page_size: int) -> PageRuns:
+    """How the k and v projection copies the batch's pages: its steps whose pages follow each
+    other, with a padding block's page the pool's last, as the model gives them
+    (model.decoder's _written)."""
+    ids = np.asarray(batch.block_pages)
+    ids = np.where(ids >= 0, ids, _POOL_PAGES)
+    share = float(np.mean(np.asarray(consecutive_steps(ids, blocks.rows // page_size))))
+    return PageRuns(2 * sub_block_rows(blocks.rows) // page_size, share)
 
 
 def _projection_blocks(cfg: ModelConfig, tokens: int, page_size: int,

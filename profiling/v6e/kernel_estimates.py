@@ -21,6 +21,7 @@ from kernels.label_gather_kernel import (
 from kernels.projection_kernel import (
     ProjectionBlocks,
     first_chunk_columns,
+    first_step_waits,
     projection_blocks,
     projection_bytes,
 )
@@ -178,20 +179,32 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
                                                drain_bytes=drain)}
 
 
+@dataclasses.dataclass(frozen=True)
+class PageRuns:
+    """k's and v's projection into pages: each sub-block's page-by-page branch starts `dmas`
+    copies, and it runs in the steps whose pages do not follow each other, all but `share`
+    of them (the others copy their pages in one DMA each for k and v, predicated, not
+    branched around, in the compiled schedule)."""
+    dmas: int
+    share: float
+
+
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
                         weights: int, outputs: int, itemsize: int, rope_group: int = 0,
-                        blocks: ProjectionBlocks | None = None) -> dict:
+                        blocks: ProjectionBlocks | None = None,
+                        pages: PageRuns | None = None) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
     fill (the first block of x and the first chunk of the first weight block, copied in
     before the first step with nothing to overlap them), its first step (the rest of that
-    weight block arriving while it computes, each chunk's products after their chunk: the
-    larger of its bundles and those bytes, plus the last chunk's share of its bundles), then
-    its other steps, each at the larger of its bundles and its share of the rest of the bytes
-    the kernel moves (the listing holds every block's DMA in every step, where the pipeline
-    skips a block that did not change), then its drain (the last step's output blocks,
-    written after it). Into pages, its outputs' bytes are the pages' (and its drain an upper
-    bound: the pages of a step's sub-blocks but its last are copied while it computes)."""
+    weight block arriving while it computes, each group of chunks' products after their
+    group, `first_step_waits`: the larger of its bundles and those bytes plus the last
+    group's share of its bundles), then its other steps, each at the larger of its bundles
+    and its share of the rest of the bytes the kernel moves (the listing holds every block's
+    DMA in every step, where the pipeline skips a block that did not change), then its drain
+    (the last step's output blocks, written after it). Into pages, its outputs' bytes are the pages' (and its drain an upper
+    bound: the pages of a step's sub-blocks but its last are copied while it computes), and
+    a branch that copies them a page at a time is taken in the steps `pages` says."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * itemsize
@@ -201,10 +214,12 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     drain = outputs * blocks.rows * blocks.columns * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
                                    blocks, rope_group) - fill - later - drain) / steps
-    first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1)
+    first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1,
+                                        pages)
     if steps == 1:  # no grid loop: the listing's prologue is the step
         first = others = schedule.prologue + schedule.step
-    last_chunk = first * chunk / blocks.columns if later else 0
+    last_wait = first_step_waits(blocks.columns // chunk)[-1]  # its products after the last
+    last_chunk = first * len(last_wait) * chunk / blocks.columns if later else 0
     first_s = max(first / V6E_CLOCK_HZ, (later + step_bytes) / V6E_HBM_BYTES_PER_S
                   + last_chunk / V6E_CLOCK_HZ)
     other_s = max(others / V6E_CLOCK_HZ, step_bytes / V6E_HBM_BYTES_PER_S)
@@ -216,19 +231,29 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
             + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E_CLOCK_HZ}
 
 
-def _first_step_bundles(schedule: KernelSchedule, chunked: bool) -> tuple[float, float]:
+def _first_step_bundles(schedule: KernelSchedule, chunked: bool,
+                        pages: PageRuns | None = None) -> tuple[float, float]:
     """Bundles of the first step and of each other step. With its first weight block in
     chunks (kernels.projection_kernel.first_chunk_columns), the kernel's step is two bodies
-    under `pl.when`, the first step's then the others': read as the two spans of one depth,
-    one after the other, with the most bundles between them."""
+    under `pl.when`, the first step's then the others': read as the two sibling spans, one
+    after the other, with the most bundles between them. Into pages, the branches that copy
+    a page at a time are taken as `pages` says."""
+    def page_branches(body: int | None) -> dict[int, float]:
+        kids = range(len(schedule.spans)) if body is None else schedule.children(body)
+        return {} if pages is None else {
+            k: pages.share for k in kids if schedule.spans[k].dmas == pages.dmas}
     if not chunked:
-        return schedule.step_bundles(), schedule.step_bundles()
-    pairs = [(a.bundles + b.bundles, i) for i, (a, b)
-             in enumerate(zip(schedule.spans, schedule.spans[1:])) if a.depth == b.depth]
+        bundles = schedule.step_bundles(page_branches(None))
+        return bundles, bundles
+    spans = schedule.spans
+    pairs = [(spans[i].bundles + spans[j].bundles, i, j) for i in range(len(spans))
+             for j in range(i + 1, len(spans)) if spans[j].depth == spans[i].depth
+             and all(spans[k].depth > spans[i].depth for k in range(i + 1, j))]
     if not pairs:
         raise ValueError(f"{schedule.name}: no first-step and other-step bodies in its step")
-    _, i = max(pairs)
-    return schedule.step_bundles({i + 1: 1}), schedule.step_bundles({i: 1})
+    _, i, j = max(pairs)
+    return (schedule.step_bundles({j: 1} | page_branches(i)),
+            schedule.step_bundles({i: 1} | page_branches(j)))
 
 
 def kv_write_estimate(schedule: KernelSchedule, grid_steps: int, pages_per_step: int,
