@@ -202,9 +202,10 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     group's share of its bundles), then its other steps, each at the larger of its bundles
     and its share of the rest of the bytes the kernel moves (the listing holds every block's
     DMA in every step, where the pipeline skips a block that did not change), then its drain
-    (the last step's output blocks, written after it). Into pages, its outputs' bytes are the pages' (and its drain an upper
-    bound: the pages of a step's sub-blocks but its last are copied while it computes), and
-    a branch that copies them a page at a time is taken in the steps `pages` says."""
+    (the last step's output blocks, written after it). Into pages, its outputs' bytes are
+    the pages' (and its drain an upper bound: the pages of a step's sub-blocks but its last
+    are copied while it computes), and a branch that copies them a page at a time is taken
+    in the steps `pages` says."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * itemsize
