@@ -259,8 +259,8 @@ def whole_block_steps(plan: AttentionPlan, md: AttentionMetadata, sizes: BlockSi
     estimates."""
     ppb = sizes.kv_block // page_size
     real = (np.asarray(plan.step_flags) & NOOP) == 0
-    per_seq = -(-np.asarray(md.page_indices).shape[1] // ppb)
     whole = np.asarray(whole_blocks(md, ppb, page_size, num_pages))
+    per_seq = whole.size // len(md.kv_lens)  # KV blocks a sequence
     steps = np.asarray(plan.step_seq) * per_seq + np.asarray(plan.step_kv)
     return int(np.sum(whole[steps[real]]))
 

@@ -415,6 +415,12 @@ class _BlockPages(NamedTuple):
     ids: jax.Array
 
 
+def block_page_ids(block_pages, sink: int):
+    """The page each block of page_size tokens fills, a padding block's (-1) the pool's last,
+    `sink` (kv_pool_shape)."""
+    return jnp.where(block_pages >= 0, block_pages, sink)
+
+
 def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: KVCache):
     """Where the layers' new K and V go: by blocks of tokens where the batch is page-aligned
     (in whole pages) and k's and v's projection kernel takes their heads whole (with k's norm
@@ -422,8 +428,7 @@ def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: K
     if (batch.block_pages is not None and kernels.project is not None
             and kernels.rope is not None and cache.k.shape[-1] == cfg.head_dim
             and batch.tokens.shape[0] % cache.k.shape[3] == 0):
-        sink = cache.k.shape[2] - 1
-        return _BlockPages(jnp.where(batch.block_pages >= 0, batch.block_pages, sink))
+        return _BlockPages(block_page_ids(batch.block_pages, cache.k.shape[2] - 1))
     return _TokenPages(*written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2]))
 
 

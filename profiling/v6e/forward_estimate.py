@@ -22,6 +22,7 @@ from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
 from model.decoder import (
     ROTATED_PROJECTIONS,
+    block_page_ids,
     norms_in_kernels,
     pool_head_dim,
     projection_shapes,
@@ -173,10 +174,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
 
 def _page_runs(batch, blocks, page_size: int) -> PageRuns:
     """How the k and v projection copies the batch's pages: its steps whose pages follow each
-    other, with a padding block's page the pool's last, as the model gives them
-    (model.decoder's _written)."""
-    ids = np.asarray(batch.block_pages)
-    ids = np.where(ids >= 0, ids, _POOL_PAGES)
+    other, the pages as the model gives them (a padding block's the pool's last)."""
+    ids = block_page_ids(batch.block_pages, _POOL_PAGES)
     share = float(np.mean(np.asarray(consecutive_steps(ids, blocks.rows // page_size))))
     return PageRuns(2 * sub_block_rows(blocks.rows) // page_size, share)
 
