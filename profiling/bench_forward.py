@@ -52,7 +52,7 @@ from profiling.v6e.roofline import roofline
 from profiling.timing import WALL_CLOCK, interleaved_rounds, subdir, wall_time, write_json
 from profiling.trace_breakdown import breakdown
 from runtime.batch_builder import ScheduledSeq, build_batch
-from runtime.buckets import pages_needed
+from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
@@ -123,14 +123,14 @@ def paged(seqs: list, page_size: int) -> list[ScheduledSeq]:
     return entries
 
 
-def schedule(engine: Engine, bucket: int, rng):
-    """What the scheduler hands build_batch for a full `bucket`: entries, labels, shape."""
-    buckets = engine.runner.buckets
-    seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, engine.cfg.vocab_size, rng,
-                buckets.page_size if buckets.page_aligned else 1)
+def schedule(buckets: ShapeBuckets, vocab: int, bucket: int, rng):
+    """What the scheduler hands build_batch for a full `bucket`: entries, labels, shape. Each
+    sequence is filled in whole pages, so that a TPU server, which pads every sequence to
+    whole pages, fits the same sequences in the bucket too (the v6e estimate's batch)."""
+    seqs = fill(bucket, buckets.max_seqs, buckets.max_rows, vocab, rng, buckets.page_size)
     entries = paged(seqs, buckets.page_size)
     rows = sum(len(s.score_rows) for s in seqs)
-    labels = [rng.integers(0, engine.cfg.vocab_size, LABELS).tolist()] * rows
+    labels = [rng.integers(0, vocab, LABELS).tolist()] * rows
     shape = buckets.shape_of((len(s.tokens) for s in seqs), rows, len(seqs))
     return entries, labels, shape
 
@@ -148,7 +148,8 @@ def study_engine(model_path: str | None, dtype: str, budget: int,
 def bucket_batch(engine: Engine, bucket: int, with_lse: bool):
     """schedule()'s entries, labels and shape for a full `bucket`, and their batch."""
     runner = engine.runner
-    entries, labels, shape = schedule(engine, bucket, np.random.default_rng(0))
+    entries, labels, shape = schedule(runner.buckets, engine.cfg.vocab_size, bucket,
+                                      np.random.default_rng(0))
     return entries, labels, shape, build_batch(entries, labels, shape,
                                                runner.buckets.page_size, with_lse,
                                                runner.buckets.page_aligned)

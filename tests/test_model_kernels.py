@@ -111,7 +111,8 @@ def _forward_batch(engine, tokens: int):
     from profiling.bench_forward import schedule
     from runtime.batch_builder import build_batch
     runner = engine.runner
-    entries, labels, shape = schedule(engine, tokens, np.random.default_rng(0))
+    entries, labels, shape = schedule(runner.buckets, engine.cfg.vocab_size, tokens,
+                                      np.random.default_rng(0))
     return build_batch(entries, labels, shape, runner.buckets.page_size,
                        with_logsumexp=True), shape
 

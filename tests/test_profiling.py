@@ -177,6 +177,26 @@ def test_bench_ablation_replaces_only_the_part_it_names(model_dirs, tmp_path):
     assert ops["kv_write_twice"]["scatter"] > ops["full"]["scatter"] > 0
 
 
+def test_a_study_batch_fits_its_bucket_on_the_cpu_and_on_a_page_aligned_v6e():
+    """Qwen3-0.6B's 2048-token bucket filled for a CPU engine: a v6e server pads each sequence
+    to whole pages, and the same sequences fill its 2048-token bucket too (filled to the
+    token, seven SGLang-shaped sequences padded to 2080 tokens had overflowed it)."""
+    import jax
+    import numpy as np
+
+    from profiling.bench_forward import schedule
+    from profiling.v6e.compile import SIZED_MODELS, v6e_devices
+    from runtime.engine_config import EngineConfig
+    cfg, engine_cfg = SIZED_MODELS["Qwen3-0.6B"], EngineConfig(
+        max_prefill_tokens=2048, max_seqs=64, max_rows=256)
+    cpu, v6e = (engine_cfg.buckets(cfg, d) for d in (jax.devices("cpu")[0], v6e_devices(1)[0]))
+    assert v6e.page_aligned and not cpu.page_aligned
+    entries, labels, shape = schedule(cpu, cfg.vocab_size, 2048, np.random.default_rng(0))
+    new_tokens = [e.new_tokens for e in entries]
+    assert shape.tokens == 2048 and sum(new_tokens) > 2048 - cpu.page_size * len(entries)
+    assert v6e.shape_of(new_tokens, len(labels), len(entries)).tokens == 2048
+
+
 def test_the_forwards_attention_work_counts_the_rows_the_xla_block_steps_take(embedded_config):
     """16 tokens, CPU's q blocks of 128: the XLA loop's block step takes the batch's 16 rows
     a head, the Pallas kernel's a whole q block, and the work counts each one's."""

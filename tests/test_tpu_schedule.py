@@ -43,6 +43,29 @@ LB: loop body
 """
 
 
+def _dump(tmp_path, listing: str, analysis: str | None):
+    (tmp_path / "17-kernel_a-12-final_bundles.txt").write_text(listing)
+    if analysis is not None:
+        (tmp_path / "17-kernel_a-11-schedule-analysis_final_bundles.txt").write_text(analysis)
+    return str(tmp_path)
+
+
+def test_read_dumps_reads_a_kernel_whose_analysis_states_no_total(tmp_path):
+    """Some schedule analyses of a program with a while loop have no total line."""
+    from profiling.v6e.schedule import read_dumps
+    without_total = read_dumps(_dump(tmp_path, LISTING, "critical path: 9\n"))
+    assert without_total["kernel_a"].total_bundles == 11
+    assert without_total["kernel_a"].step == 14
+
+
+def test_read_dumps_refuses_a_listing_it_did_not_read_whole(tmp_path):
+    from profiling.v6e.schedule import read_dumps
+    with pytest.raises(ValueError, match="11 bundles read, the compiler's analysis says 12"):
+        read_dumps(_dump(tmp_path, LISTING, "total scheduled bundles: 12\n"))
+    with pytest.raises(ValueError, match="no bundles read"):
+        read_dumps(_dump(tmp_path, "bundles in a form of a later compiler\n", None))
+
+
 def test_a_listing_reads_as_prologue_step_and_epilogue():
     s = schedule_of("k", 11, parse_bundles(LISTING))
     assert (s.prologue, s.step, s.epilogue) == (2, 14, 1)  # the inner loop counts 4 times

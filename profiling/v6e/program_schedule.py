@@ -27,7 +27,7 @@ from profiling.v6e.schedule import (
     V6E_CLOCK_HZ,
     V6E_HBM_BYTES_PER_S,
     Bundle,
-    parse_bundles,
+    read_listing,
 )
 
 _LISTING = re.compile(r"^\d+-(.+?)-\d+-final_bundles\.txt$")
@@ -40,7 +40,7 @@ def read_listings(dump_dir: str) -> dict[str, list[Bundle]]:
         m = _LISTING.match(fname)
         if m and not m.group(1).startswith("<"):
             with open(os.path.join(dump_dir, fname)) as f:
-                out[m.group(1)] = parse_bundles(f.read())
+                out[m.group(1)] = read_listing(fname, f.read())
     return out
 
 

@@ -278,16 +278,33 @@ def read_dumps(dump_dir: str) -> dict[str, KernelSchedule]:
         if not m or m.group(1).startswith(("<", "TLP")):
             continue
         with open(os.path.join(dump_dir, fname)) as f:
-            bundles = parse_bundles(f.read())
+            bundles = read_listing(fname, f.read())
         prefix = fname[:m.end(1)]
         analysis = [a for a in files if a.startswith(prefix)
                     and a.endswith("schedule-analysis_final_bundles.txt")]
-        total = len(bundles)
         if analysis:
             with open(os.path.join(dump_dir, analysis[0])) as f:
-                total = int(_TOTAL.search(f.read()).group(1))
-        out[m.group(1)] = schedule_of(m.group(1), total, bundles)
+                check_total(fname, f.read(), len(bundles))
+        out[m.group(1)] = schedule_of(m.group(1), len(bundles), bundles)
     return out
+
+
+def read_listing(name: str, listing: str) -> list[Bundle]:
+    """A listing's bundles; one with none is not a listing this reader knows: refused."""
+    bundles = parse_bundles(listing)
+    if not bundles:
+        raise ValueError(f"{name}: no bundles read from its listing ({len(listing)} "
+                         f"characters): not a form this reader knows, so no estimate")
+    return bundles
+
+
+def check_total(name: str, analysis: str, bundles: int) -> None:
+    """Where the compiler's schedule analysis states its total bundles (not every one does: a
+    program with a while loop has some without), the listing read must hold as many."""
+    total = _TOTAL.search(analysis)
+    if total and int(total.group(1)) != bundles:
+        raise ValueError(f"{name}: {bundles} bundles read, the compiler's analysis says "
+                         f"{total.group(1)}: the listing was misread, so no estimate")
 
 
 def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
