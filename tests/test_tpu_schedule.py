@@ -7,11 +7,10 @@ import pytest
 from kernels.attention_plan import BlockSizes, real_q_blocks, visited_tiles
 from kernels.label_gather_kernel import streamed_cost
 from kernels.ragged_paged_attention_kernel import whole_block_steps
+from profiling.v6e.chip import V6E, V6eCosts
 from profiling.v6e.kernel_estimates import label_gather_estimate
 from profiling.v6e.schedule import (
-    V6E_CLOCK_HZ,
     KernelSchedule,
-    V6E_HBM_BYTES_PER_S,
     Span,
     compile_schedules,
     estimate_seconds,
@@ -76,10 +75,14 @@ def test_a_listing_reads_as_prologue_step_and_epilogue():
     (span,) = s.spans  # the bundles the branch at 0x3 skips: 0x4 to 0x7
     assert (span.first, span.depth, span.bundles, span.hbm_dma_bytes) == (4, 0, 10, 0)
     assert s.step_bundles({0: 0.5}) == 9
-    clock = 1e9
-    assert estimate_seconds(s, 10, clock) == pytest.approx(10 * 14 / clock + 3 / clock)
+    clock, step_s = 1e9, 1e-6
+    chip = V6eCosts(clock, hbm_bytes_per_s=1e12, grid_step_s=0.0, xla_op_s=0.0)
+    assert estimate_seconds(s, 10, chip) == pytest.approx(10 * 14 / clock + 3 / clock)
     slow_hbm = 3072 / (14 / clock) / 2  # DMAs take twice the bundles' time
-    assert estimate_seconds(s, 10, clock, slow_hbm) == pytest.approx(10 * 28 / clock + 3 / clock)
+    assert estimate_seconds(s, 10, dataclasses.replace(chip, hbm_bytes_per_s=slow_hbm)) == \
+        pytest.approx(10 * 28 / clock + 3 / clock)
+    assert estimate_seconds(s, 10, dataclasses.replace(chip, grid_step_s=step_s)) == \
+        pytest.approx(estimate_seconds(s, 10, chip) + 10 * step_s)  # a fixed cost a step
 
 
 def test_a_programs_listing_names_the_fusions_it_calls_either_way():
@@ -108,8 +111,8 @@ def test_compiled_kernels_dma_the_bytes_of_their_blocks():
                                 [dict(rows=4096, cols=1024, block_rows=512)])
     s = copy["kernels"]["calibration_copy"]
     assert s.step_hbm_dma_bytes == 2 * 512 * 1024 * 4
-    hbm_bound = 8 * s.step_hbm_dma_bytes / V6E_HBM_BYTES_PER_S
-    assert estimate_seconds(s, 8, 1.7e9) == pytest.approx(hbm_bound, rel=0.02)
+    hbm_bound = 8 * (s.step_hbm_dma_bytes / V6E.hbm_bytes_per_s + V6E.grid_step_s)
+    assert estimate_seconds(s, 8) == pytest.approx(hbm_bound, rel=0.02)
 
 
 def test_the_attention_kernel_has_two_spans_that_run_once_per_q_block():
@@ -163,10 +166,22 @@ def test_the_attention_kernels_branches_are_priced_by_the_steps_that_run_them():
 
 def test_calibration_matmuls_agree_with_the_clock():
     """The clock constant holds for the first calibration matmul (each takes 10 s to compile
-    twice): XLA's estimate for the dot and the kernel's bundles at V6E_CLOCK_HZ within 10%."""
+    twice): XLA's estimate for the dot and the kernel's bundles at the chip's clock within 10%."""
     from profiling.v6e.calibrate import MATMULS, matmul_rows
     for row in matmul_rows(MATMULS[:1]):
-        assert row["bundles"] / V6E_CLOCK_HZ == pytest.approx(row["xla_optimal_s"], rel=0.1)
+        assert row["bundles"] / V6E.clock_hz == pytest.approx(row["xla_optimal_s"], rel=0.1)
+
+
+def test_a_general_dma_counts_where_one_end_is_an_hbm_address():
+    """XLA's copies and transposes move HBM through strided `dma.general`s: their bytes count
+    where the source or destination register holds an HBM address, not VMEM to VMEM."""
+    listing = """   0x0   :  { %s5_s1 = scalar_lea.hbm %s1_s0, 64  ;;  %s7_s2 = int_to_ptr.vmem %s3 }
+   0x1   :  { %6 = dma.general (%p1_p0), /*src=*/%s5_s1, /*size_in_granules=*/64,
+/*dst=*/%s7_s2, /*dst_syncflagno=*/%s8_s4 }
+   0x2   :  { %9 = dma.general (%p1_p0), /*src=*/%s7_s2, /*size_in_granules=*/32, /*dst=*/%s7_s2 }
+"""
+    bundles = parse_bundles(listing)
+    assert [b.hbm_dma_bytes for b in bundles] == [0, 64 * 32, 0]
 
 
 def test_a_loop_with_a_runtime_bound_counts_as_the_caller_says():
@@ -182,10 +197,11 @@ def test_a_pipelines_fill_and_drain_cost_their_bytes_unless_its_steps_wait_on_dm
     s = KernelSchedule("k", total_bundles=1720, prologue=10, step=1700, epilogue=10,
                        step_units={}, step_hbm_dma_bytes=0, step_unsized_dmas=0, spans=(),
                        inner_loops=())
-    us, ends = V6E_HBM_BYTES_PER_S * 1e-6, 20 / V6E_CLOCK_HZ
+    chip = dataclasses.replace(V6E, clock_hz=1.7e9, grid_step_s=0.0)  # a step: 1 us
+    us, ends = chip.hbm_bytes_per_s * 1e-6, 20 / chip.clock_hz
 
     def estimate(step_us, **kw):
-        return estimate_seconds(s, 4, step_bytes=step_us * us, **kw) - ends
+        return estimate_seconds(s, 4, chip, step_bytes=step_us * us, **kw) - ends
     compute_bound = estimate(0.5, fill_bytes=us, drain_bytes=us)
     assert compute_bound == pytest.approx(estimate(0.5) + 2e-6) == pytest.approx(6e-6)
     assert estimate(2.0, fill_bytes=us, drain_bytes=us) == pytest.approx(estimate(2.0))
@@ -235,7 +251,7 @@ def test_jax_ragged_paged_attention_goes_through_the_same_estimate():
     peer = peer_estimate(1024, Heads(page=128), BlockSizes(128, 512))
     assert peer["kv_blocks_visited"] == 8 * 2  # no causal skipping in that kernel
     assert peer["kv_block_bundles"] > 1000  # 8 KV heads of [256, 512] scores
-    assert peer["v6e_estimate_s"] > 16 * peer["kv_block_bundles"] / V6E_CLOCK_HZ
+    assert peer["v6e_estimate_s"] > 16 * peer["kv_block_bundles"] / V6E.clock_hz
 
 
 def test_xla_prices_a_loop_body_once_and_a_pallas_call_by_its_cost_estimate():
@@ -324,7 +340,7 @@ def test_the_forwards_estimate_prices_every_layer_and_its_kernels(capsys):
     # at 128 tokens SmolLM2's k and v projections are below, 6% of the layer's FLOPs
     assert 0.9 < dot_flops / layer_flops(cfg, est["shape"]["tokens"]) <= 1
     mlp_weights = 2 * cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size
-    assert est["seconds"] > mlp_weights / V6E_HBM_BYTES_PER_S
+    assert est["seconds"] > mlp_weights / V6E.hbm_bytes_per_s
 
 
 def test_a_projections_page_by_page_branch_is_priced_in_the_steps_that_take_it():

@@ -1,6 +1,8 @@
-"""Calibrating the static v6e cost model (`profiling.v6e.schedule`) on kernels whose answer is
-known: the clock from Pallas matmuls against XLA's own v6e estimate (`optimal_seconds`) for the
-same dot, and the DMA side from a copy kernel against the HBM bandwidth.
+"""Checking the static v6e cost model (`profiling.v6e.schedule`) on kernels whose answer is
+known: the clock that Pallas matmuls imply against XLA's own v6e estimate (`optimal_seconds`)
+for the same dot, and the DMA side from a copy kernel against the HBM bandwidth. This was the
+model's first calibration; its constants are now fitted on real v6e measurements
+(`profiling.v6e.against_measured`, `profiling.v6e.chip`), and this checks them.
 
 python -m profiling.v6e.calibrate [--out calibration.json]
 Per matmul shape: the kernel's grid steps and bundles per step, XLA's estimate for `jnp.dot`
@@ -8,8 +10,10 @@ on the same operands, and the clock that makes the two agree; the clock is their
 the calibration error the largest relative miss of the estimate at that clock. Per XLA dot of
 a Qwen3-0.6B layer's shapes: its bundles read as the forward's estimate reads them, against
 XLA's own estimate and the MXU bound. Per copy
-shape: the estimate at that clock against bytes / 1.64 TB/s. Compiles only: no TPU runs.
+shape: the estimate at that clock against its bytes at the model's HBM rate. Compiles only:
+no TPU runs.
 """
+import dataclasses
 import statistics
 
 import jax
@@ -21,7 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from profiling.timing import write_json
 from profiling.v6e.program_schedule import level_from_json
 from profiling.v6e.roofline import V6E_FLOPS
-from profiling.v6e.schedule import V6E_HBM_BYTES_PER_S, compile_schedules, estimate_seconds
+from profiling.v6e.chip import V6E
+from profiling.v6e.schedule import compile_schedules, estimate_seconds
 from runtime.cli_flags import parse_flags
 
 # (m, k, n) and (bm, bk, bn), bfloat16: MXU-bound blocks, from one grid step to hundreds.
@@ -136,8 +141,8 @@ def copy_rows(clock_hz: float) -> list[dict]:
                                                      cases)):
         s = result["kernels"]["calibration_copy"]
         steps = case["rows"] // case["block_rows"]
-        hbm_bound = 2 * case["rows"] * case["cols"] * 4 / V6E_HBM_BYTES_PER_S
-        estimate = estimate_seconds(s, steps, clock_hz)
+        hbm_bound = 2 * case["rows"] * case["cols"] * 4 / V6E.hbm_bytes_per_s
+        estimate = estimate_seconds(s, steps, dataclasses.replace(V6E, clock_hz=clock_hz))
         rows.append({**case, "steps": steps, "step_bundles": s.step,
                      "step_hbm_dma_bytes": s.step_hbm_dma_bytes, "estimate_s": estimate,
                      "hbm_bound_s": hbm_bound, "estimate_over_bound": estimate / hbm_bound})
@@ -152,7 +157,7 @@ def calibrate() -> dict:
         r["miss"] = r["estimate_s"] / r["xla_optimal_s"] - 1
     return {"clock_hz": clock, "clock_error": max(abs(r["miss"]) for r in matmuls),
             "matmuls": matmuls, "xla_dots": xla_dot_rows(clock), "copies": copy_rows(clock),
-            "hbm_bytes_per_s": V6E_HBM_BYTES_PER_S,
+            "hbm_bytes_per_s": V6E.hbm_bytes_per_s,
             "note": "estimates from the compiled schedule; no TPU ran them"}
 
 

@@ -42,7 +42,8 @@ from profiling.v6e.hlo_ops import op_facts
 from profiling.v6e.program_schedule import level_from_json, program_seconds
 from profiling.v6e.roofline import V6E_FLOPS
 from profiling.v6e.compile import v6e_devices
-from profiling.v6e.schedule import V6E_CLOCK_HZ, V6E_HBM_BYTES_PER_S, compile_schedules
+from profiling.v6e.chip import V6E
+from profiling.v6e.schedule import compile_schedules
 from runtime.batch_builder import build_batch
 from runtime.buckets import BatchShape
 from runtime.engine_config import EngineConfig
@@ -91,8 +92,9 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
     levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
-    return {"v6e_estimate_s": program_seconds(levels, priced),
-            "levels": [_level_summary(level, priced, facts) for level in levels],
+    hlo_bytes = {name: f.hbm_bytes for name, f in facts.items()}
+    return {"v6e_estimate_s": program_seconds(levels, priced, hlo_bytes=hlo_bytes),
+            "levels": [_level_summary(level, priced, facts, hlo_bytes) for level in levels],
             "shape": dataclasses.asdict(shape), "block_sizes": dataclasses.asdict(sizes),
             "page_size": engine_cfg.page_size, "kernels": kernels}
 
@@ -107,14 +109,16 @@ def _levels(result: dict, num_layers: int) -> list:
     return levels
 
 
-def _level_summary(level, priced: dict, facts: dict, least_bundles: int = 500) -> dict:
+def _level_summary(level, priced: dict, facts: dict, hlo_bytes: dict,
+                   least_bundles: int = 500) -> dict:
     """A level's seconds, and each XLA op of at least `least_bundles` bundles a trip (most
     first): what it does, its bundles and DMA bytes, and its own MXU bound (its FLOPs at the
     bf16 peak)."""
-    xla = level.xla_cost(priced)
+    xla = level.xla_cost(priced, hlo_bytes)
     ops = sorted(((name, cost) for name, cost in level.xla_calls(priced).items()
                   if cost.bundles >= least_bundles), key=lambda kv: -kv[1].bundles)
-    return {"trips": level.trips, "seconds_per_trip": level.seconds(priced),
+    return {"trips": level.trips, "seconds_per_trip": level.seconds(priced,
+                                                                    hlo_bytes=hlo_bytes),
             "xla_bundles": xla.bundles, "xla_hbm_bytes": xla.hbm_bytes,
             "kernels_s": level.kernels_seconds(priced),
             "unknown_loops": level.unknown_loops,
@@ -124,8 +128,8 @@ def _level_summary(level, priced: dict, facts: dict, least_bundles: int = 500) -
 def _op_row(name: str, cost, facts) -> dict:
     flops = facts.flops if facts else 0.0
     return {"name": name, "scope": facts.scope if facts else "", "fuses": facts.ops if facts
-            else "", "bundles": cost.bundles, "seconds": cost.bundles / V6E_CLOCK_HZ,
-            "dma_bytes": cost.hbm_bytes, "hbm_bound_s": cost.hbm_bytes / V6E_HBM_BYTES_PER_S,
+            else "", "bundles": cost.bundles, "seconds": cost.bundles / V6E.clock_hz,
+            "dma_bytes": cost.hbm_bytes, "hbm_bound_s": cost.hbm_bytes / V6E.hbm_bytes_per_s,
             "flops": flops, "mxu_bound_s": flops / V6E_FLOPS}
 
 

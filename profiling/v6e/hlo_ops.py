@@ -28,6 +28,56 @@ class OpFacts:
     scope: str       # the named scope of its source, e.g. "layer/mlp/dot_general"
     ops: str         # the main ops it fuses, most frequent first
     flops: float     # of the dots and convolutions it holds
+    hbm_bytes: float = 0.0  # it reads and writes in HBM, by its operands' and results' layouts
+
+
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\](?:\{([^}]*)\})?")
+_ITEMSIZE = {"pred": 1, "bf16": 2}
+_SLICES = ("slice", "dynamic-slice", "gather")  # read what they output of their operand
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE.get(dtype) or max(int(dtype[1:]) // 8, 1)
+
+
+def array_bytes(type_text: str) -> float:
+    """HBM bytes of the arrays a type names (a tuple: each), as their layouts lay them out: the
+    two minor dimensions padded to the tile (T(8,128); a second tile (2,1) packs 2 rows of a
+    16-bit type in one), nothing for an array in VMEM (memory space S(1))."""
+    total = 0.0
+    for dtype, dims_text, layout in _ARRAY.findall(type_text):
+        if "S(1)" in layout:
+            continue
+        dims = [int(d) for d in dims_text.split(",") if d]
+        order, _, tiling = layout.partition(":")
+        minor = [int(d) for d in order.split(",") if d] or list(range(len(dims)))[::-1]
+        tiles = [[int(t) for t in tile.split(",")]
+                 for tile in re.findall(r"\(([\d,]+)\)", re.sub(r"[A-SU-Z]\(\d+\)", "", tiling))]
+        if dims and tiles and len(tiles[0]) == 2:
+            lanes, rows = tiles[0][1], tiles[0][0] * (tiles[1][0] if len(tiles) > 1 else 1)
+            dims[minor[0]] = -(-dims[minor[0]] // lanes) * lanes
+            if len(dims) > 1:
+                dims[minor[1]] = -(-dims[minor[1]] // rows) * rows
+        total += _product(dims) * _itemsize(dtype)
+    return total
+
+
+def _result_type(text: str) -> str:
+    """The type an instruction's text starts with (a tuple's, in parentheses)."""
+    if not text.startswith("("):
+        return text.split(" ")[0]
+    depth = 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            return text[:i + 1]
+    return text
+
+
+def _operands(text: str) -> list[str]:
+    rest = text[len(_result_type(text)):]
+    return re.findall(r"%([\w.-]+)", rest.split("(", 1)[1].split(")", 1)[0]) if "(" in rest \
+        else []
 
 
 def _dims(type_text: str) -> list[list[int]]:
@@ -97,9 +147,34 @@ def op_facts(hlo_text: str) -> dict[str, OpFacts]:
                                      not in _PLUMBING)
         return " ".join(f"{op}x{n}" if n > 1 else op for op, n in inside.most_common(4))
 
+    def hbm_bytes(text: str) -> float:
+        """What an instruction reads and writes: its operands (where a fusion only slices or
+        gathers from one, itself or in fusions nested in it, what those read of it) and
+        results (where a fusion's root updates a slice in place, the update)."""
+        if _opcode(text) in _SLICES:  # the rows or slice it reads, and its indices
+            out = array_bytes(_result_type(text))
+            return 2 * out + sum(array_bytes(_result_type(lines.get(o, "")))
+                                 for o in _operands(text)[1:])
+        body = next((c for c in called(text) if c in bodies), None)
+        params = {int(re.search(r"parameter\((\d+)\)", lines[n]).group(1)): n
+                  for n in bodies.get(body, ()) if _opcode(lines[n]) == "parameter"}
+        read = 0.0
+        for i, operand in enumerate(_operands(text)):
+            users = [n for n in bodies.get(body, ()) if i in params
+                     and params[i] in _operands(lines[n])]
+            whole = array_bytes(_result_type(lines.get(operand, "")))
+            sliced = users and all(_opcode(lines[n]) in _SLICES + ("fusion",) for n in users)
+            read += (min(sum(array_bytes(_result_type(lines[n])) for n in users), whole)
+                     if sliced else whole)
+        root = bodies[body][-1] if body else None
+        if root and _opcode(lines[root]) == "dynamic-update-slice":
+            return read + array_bytes(_result_type(lines[_operands(lines[root])[1]]))
+        return read + array_bytes(_result_type(text))
+
     out = {}
     for name, text in lines.items():
         scope = re.search(r'op_name="([^"]*)"', text)
         out[name] = OpFacts(_SCOPE_NOISE.sub("", scope.group(1)) if scope else "",
-                            fused(text) or _opcode(text), flops(name))
+                            fused(text) or _opcode(text), flops(name),
+                            0.0 if _opcode(text) in _PLUMBING else hbm_bytes(text))
     return out

@@ -28,12 +28,8 @@ from kernels.projection_kernel import (
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import rope_block_tokens
 from kernels.tpu_tiles import SUBLANES
-from profiling.v6e.schedule import (
-    V6E_CLOCK_HZ,
-    V6E_HBM_BYTES_PER_S,
-    KernelSchedule,
-    estimate_seconds,
-)
+from profiling.v6e.chip import V6E
+from profiling.v6e.schedule import KernelSchedule, estimate_seconds
 
 GATHER_KERNELS = {"labels_only": "label_gather_rows", "streamed_logsumexp": "label_gather_streamed"}
 
@@ -56,8 +52,8 @@ def attention_estimate(schedule: KernelSchedule, plan: AttentionPlan, steps: int
             "whole_block_steps": whole_steps,
             "step_units": schedule.step_units, "step_hbm_bytes": step_bytes,
             "listed_step_dma_bytes": schedule.step_hbm_dma_bytes,
-            "fill_s": blocks.fill / V6E_HBM_BYTES_PER_S,
-            "drain_s": blocks.drain / V6E_HBM_BYTES_PER_S,
+            "fill_s": blocks.fill / V6E.hbm_bytes_per_s,
+            "drain_s": blocks.drain / V6E.hbm_bytes_per_s,
             "v6e_estimate_s": estimate_seconds(schedule, steps, skipped=skipped,
                                                step_bytes=step_bytes, fill_bytes=blocks.fill,
                                                drain_bytes=blocks.drain)}
@@ -150,7 +146,7 @@ def label_gather_estimate(schedule: KernelSchedule, mode: str, rows: int, vocab:
     def per_label(n: int) -> dict:
         return {j: n for j, (_, trips, _) in enumerate(schedule.inner_loops) if trips is None}
     return {"step_bundles": schedule.step_bundles(loop_trips=per_label(calls[0])),
-            "fill_s": len(calls) * fill / V6E_HBM_BYTES_PER_S,
+            "fill_s": len(calls) * fill / V6E.hbm_bytes_per_s,
             "v6e_estimate_s": sum(estimate_seconds(schedule, steps, loop_trips=per_label(n),
                                                    step_bytes=step_bytes, fill_bytes=fill)
                                   for n in calls)}
@@ -171,8 +167,8 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
     step_bytes = block * (2 * (q_width + k_width) * itemsize + 2 * group * 4)
     drain = block * (q_width + k_width) * itemsize
     return {"steps": tokens // block, "step_bundles": schedule.step_bundles(),
-            "fill_s": (step_bytes - drain) / V6E_HBM_BYTES_PER_S,
-            "drain_s": drain / V6E_HBM_BYTES_PER_S,
+            "fill_s": (step_bytes - drain) / V6E.hbm_bytes_per_s,
+            "drain_s": drain / V6E.hbm_bytes_per_s,
             "v6e_estimate_s": estimate_seconds(schedule, tokens // block,
                                                step_bytes=step_bytes,
                                                fill_bytes=step_bytes - drain,
@@ -221,15 +217,16 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
         first = others = schedule.prologue + schedule.step
     last_wait = first_step_waits(blocks.columns // chunk)[-1]  # its products after the last
     last_chunk = first * len(last_wait) * chunk / blocks.columns if later else 0
-    first_s = max(first / V6E_CLOCK_HZ, (later + step_bytes) / V6E_HBM_BYTES_PER_S
-                  + last_chunk / V6E_CLOCK_HZ)
-    other_s = max(others / V6E_CLOCK_HZ, step_bytes / V6E_HBM_BYTES_PER_S)
-    fill_s, drain_s = fill / V6E_HBM_BYTES_PER_S, drain / V6E_HBM_BYTES_PER_S
+    first_s = max(first / V6E.clock_hz, (later + step_bytes) / V6E.hbm_bytes_per_s
+                  + last_chunk / V6E.clock_hz)
+    other_s = max(others / V6E.clock_hz, step_bytes / V6E.hbm_bytes_per_s)
+    fill_s, drain_s = fill / V6E.hbm_bytes_per_s, drain / V6E.hbm_bytes_per_s
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
             "step_bundles": others, "first_step_bundles": first, "fill_s": fill_s,
             "drain_s": drain_s,
             "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
-            + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E_CLOCK_HZ}
+            + steps * V6E.grid_step_s
+            + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E.clock_hz}
 
 
 def _first_step_bundles(schedule: KernelSchedule, chunked: bool,

@@ -23,12 +23,8 @@ import dataclasses
 import os
 import re
 
-from profiling.v6e.schedule import (
-    V6E_CLOCK_HZ,
-    V6E_HBM_BYTES_PER_S,
-    Bundle,
-    read_listing,
-)
+from profiling.v6e.chip import V6E, V6eCosts
+from profiling.v6e.schedule import Bundle, read_listing
 
 _LISTING = re.compile(r"^\d+-(.+?)-\d+-final_bundles\.txt$")
 
@@ -85,18 +81,20 @@ def _weights(bundles: list[Bundle], skip_callless: bool) -> tuple[list[float], i
 @dataclasses.dataclass(frozen=True)
 class ListingCost:
     bundles: float      # run, loops times their trips
-    hbm_bytes: float    # moved by its DMAs
+    hbm_bytes: float    # moved by its DMAs whose size the listing states
     unknown_loops: int
+    unsized_dmas: float = 0  # run, whose size is a register: their bytes are not counted
 
     def __add__(self, other: "ListingCost") -> "ListingCost":
         return ListingCost(self.bundles + other.bundles, self.hbm_bytes + other.hbm_bytes,
-                           self.unknown_loops + other.unknown_loops)
+                           self.unknown_loops + other.unknown_loops,
+                           self.unsized_dmas + other.unsized_dmas)
 
 
 def listing_cost(bundles: list[Bundle]) -> ListingCost:
     weights, unknown = _weights(bundles, skip_callless=False)
     return ListingCost(sum(weights), sum(b.hbm_dma_bytes * w for b, w in zip(bundles, weights)),
-                       unknown)
+                       unknown, sum(b.unsized_dmas * w for b, w in zip(bundles, weights)))
 
 
 def callee_kernel(hlo_name: str) -> str:
@@ -118,22 +116,35 @@ class Level:
         return {name: cost for name, cost in self.calls.items()
                 if callee_kernel(name) not in kernel_seconds}
 
-    def xla_cost(self, kernel_seconds: dict[str, float]) -> ListingCost:
+    @staticmethod
+    def sized_calls(calls: dict[str, ListingCost],
+                    hlo_bytes: dict[str, float] | None = None) -> list[ListingCost]:
+        """The callees' costs, each with DMAs whose size is a register moving what
+        `hlo_bytes` (its HLO's reads and writes, profiling.v6e.hlo_ops) says, where more."""
+        return [dataclasses.replace(cost, hbm_bytes=max(cost.hbm_bytes, hlo_bytes[name]))
+                if cost.unsized_dmas and name in (hlo_bytes or {}) else cost
+                for name, cost in calls.items()]
+
+    def xla_cost(self, kernel_seconds: dict[str, float],
+                 hlo_bytes: dict[str, float] | None = None) -> ListingCost:
         """One trip's bundles and DMA bytes outside the priced kernels: the TLP's own and its
-        XLA callees'."""
-        return sum(self.xla_calls(kernel_seconds).values(),
+        XLA callees' (`sized_calls`)."""
+        return sum(self.sized_calls(self.xla_calls(kernel_seconds), hlo_bytes),
                    ListingCost(self.bundles, self.hbm_bytes, 0))
 
     def kernels_seconds(self, kernel_seconds: dict[str, float]) -> float:
         called = {callee_kernel(name) for name in self.calls}
         return sum(kernel_seconds[kernel] for kernel in called if kernel in kernel_seconds)
 
-    def seconds(self, kernel_seconds: dict[str, float], clock_hz: float = V6E_CLOCK_HZ,
-                hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S) -> float:
-        """One trip: the callees in `kernel_seconds` at those prices, the rest with the TLP's
-        own bundles and DMAs."""
-        xla = self.xla_cost(kernel_seconds)
-        return (max(xla.bundles / clock_hz, xla.hbm_bytes / hbm_bytes_per_s)
+    def seconds(self, kernel_seconds: dict[str, float], costs: V6eCosts = V6E,
+                hlo_bytes: dict[str, float] | None = None) -> float:
+        """One trip: the callees in `kernel_seconds` at those prices; the TLP's own bundles
+        and DMAs, and each XLA callee one after the other, each its own bundles' and DMAs'
+        overlap plus an XLA op's fixed cost."""
+        xla = self.xla_calls(kernel_seconds)
+        return (costs.overlapped(self.bundles, self.hbm_bytes)
+                + sum(costs.overlapped(c.bundles, c.hbm_bytes) + costs.xla_op_s
+                      for c in self.sized_calls(xla, hlo_bytes))
                 + self.kernels_seconds(kernel_seconds))
 
     @property
@@ -159,8 +170,10 @@ def program_levels(listings: dict[str, list[Bundle]]) -> list[Level]:
     return sorted(levels.values(), key=lambda level: level.trips)
 
 
-def program_seconds(levels: list[Level], kernel_seconds: dict[str, float]) -> float:
-    return sum(level.trips * level.seconds(kernel_seconds) for level in levels)
+def program_seconds(levels: list[Level], kernel_seconds: dict[str, float],
+                    costs: V6eCosts = V6E, hlo_bytes: dict[str, float] | None = None) -> float:
+    return sum(level.trips * level.seconds(kernel_seconds, costs, hlo_bytes)
+               for level in levels)
 
 
 def level_to_json(level: Level) -> dict:

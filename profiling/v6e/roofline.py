@@ -1,7 +1,6 @@
 """The TPU v6e lower bound of a piece of work, and how close a measurement came to it."""
 
-V6E_FLOPS = 918e12   # bf16 FLOP/s, one v6e chip
-V6E_HBM = 1.64e12    # HBM bytes/s
+from profiling.v6e.chip import V6E_FLOPS, V6E_HBM_PEAK_BYTES_PER_S as V6E_HBM
 
 
 def v6e_bound_s(flops: float, hbm_bytes: float) -> float:

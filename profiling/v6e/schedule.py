@@ -12,9 +12,11 @@ listing, per kernel:
 - instruction counts of one step by unit (MXU, VPU, EUP transcendentals, XLU cross-lane,
   vector loads and stores, DMA, scalar) and the HBM bytes its DMAs move.
 
-The estimate, `estimate_seconds`, assumes:
-- one bundle per cycle at a fixed clock (calibrated by `profiling.v6e.calibrate`), with no
-  stall other than waiting for DMAs: the schedule already holds the MXU and EUP latencies;
+The estimate, `estimate_seconds`, assumes (the chip's rates and fixed costs:
+`profiling.v6e.chip`):
+- one bundle per cycle at a fixed clock, with no stall other than waiting for DMAs and a
+  fixed cost a grid step (fitted on real v6e measurements): the schedule already holds the
+  MXU and EUP latencies;
 - a step's DMAs overlap the step's compute (the kernels double-buffer), so a step costs the
   larger of its bundles at the clock and its DMA bytes at the HBM bandwidth;
 - every span of a step runs unless the caller says how often it is skipped, and every DMA
@@ -34,10 +36,8 @@ import subprocess
 import sys
 import tempfile
 
-V6E_HBM_BYTES_PER_S = 1.64e12
-# Bundles per second: the median that `python -m profiling.v6e.calibrate` finds on five Pallas
-# matmuls against XLA's estimate for the same dots (1.63-1.81 GHz on four; docs/tpu_v6e.md).
-V6E_CLOCK_HZ = 1.70e9
+from profiling.v6e.chip import V6E, V6eCosts
+
 DMA_GRANULE_BYTES = 32  # `size_in_granules` of a DMA: checked against block sizes in the tests
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|0)\s+([A-Z]{2})?:?\s*(>*)\s*\{(.*)$")
@@ -45,6 +45,8 @@ _OPCODE = re.compile(r"^\s*(?:%[\w.]+\s*=\s*)?([a-z_][\w.]*)")
 _BRANCH = re.compile(r"sbr\.rel \((!?)%(\w+)\) target = \$region(\d+)")
 _REGION_START = re.compile(r"Start(?:/End empty)? region (\d+)")
 _GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
+_HBM_ADDRESS = re.compile(r"%(\w+) = (?:scalar_lea\.hbm|inlined_call_operand\.hbm)\b")
+_DMA_ENDS = re.compile(r"/\*(?:src|dst)=\*/%(\w+)")
 # A program's listing calls a fusion inlined, or (in larger programs) as a call of its address
 _CALL = re.compile(r"(?:inlined_call|= call) [^/]*/\* %([\w.-]+) = ")
 _COMPARE = re.compile(r"%(\w+) = scmp\.(\w+)\.s32\.totalorder %\w+, (\d+)\b")
@@ -99,10 +101,20 @@ def parse_bundles(listing: str) -> list[Bundle]:
             chunks.append([m, line[m.start(4):]])
         elif chunks:
             chunks[-1][1] += "\n" + line
-    return [_bundle(m, text) for m, text in chunks]
+    hbm = set(_HBM_ADDRESS.findall(listing))
+    return [_bundle(m, text, hbm) for m, text in chunks]
 
 
-def _bundle(m: re.Match, text: str) -> Bundle:
+def _moves_hbm(opcode: str, instruction: str, hbm_registers: set[str]) -> bool:
+    """A DMA between HBM and VMEM: named so (`dma.hbm_to_vmem`), or a general (strided) DMA
+    whose source or destination register holds an HBM address (`scalar_lea.hbm`)."""
+    if opcode == "dma.general":
+        ends = _DMA_ENDS.findall(instruction)
+        return any(register in hbm_registers for register in ends)
+    return opcode.startswith("dma") and "hbm" in opcode
+
+
+def _bundle(m: re.Match, text: str, hbm_registers: set[str] = frozenset()) -> Bundle:
     body, _, trailer = text.rpartition("}")
     opcodes, dma_bytes, unsized, compares = [], 0, 0, []
     for instruction in _instructions(body):
@@ -110,7 +122,7 @@ def _bundle(m: re.Match, text: str) -> Bundle:
         if not op:
             continue
         opcodes.append(op.group(1))
-        if op.group(1).startswith("dma") and "hbm" in op.group(1):
+        if _moves_hbm(op.group(1), instruction, hbm_registers):
             granules = _GRANULES.search(instruction)
             dma_bytes += int(granules.group(1)) * DMA_GRANULE_BYTES if granules else 0
             unsized += granules is None
@@ -239,13 +251,13 @@ def schedule_of(name: str, total_bundles: int, bundles: list[Bundle]) -> KernelS
         spans=_spans(step, weights), inner_loops=tuple(loops))
 
 
-def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E_CLOCK_HZ,
-                     hbm_bytes_per_s: float = V6E_HBM_BYTES_PER_S,
+def estimate_seconds(schedule: KernelSchedule, steps: int, costs: V6eCosts = V6E, *,
                      skipped: dict[int, float] | None = None,
                      step_bytes: float | None = None,
                      loop_trips: dict[int, float] | None = None,
                      fill_bytes: float = 0.0, drain_bytes: float = 0.0) -> float:
-    """`steps` grid steps at the larger of compute and DMA time, plus prologue and epilogue.
+    """`steps` grid steps at the larger of compute and DMA time, each with the chip's fixed
+    cost of a grid step, plus prologue and epilogue.
     `skipped` and `loop_trips` as in `KernelSchedule.step_bundles`. `step_bytes` replaces the
     listing's DMA bytes per step where the caller knows better: a DMA the compiler predicated
     instead of branching around (the first step's prefetch, say) is listed in every step.
@@ -259,10 +271,10 @@ def estimate_seconds(schedule: KernelSchedule, steps: int, clock_hz: float = V6E
                              "a runtime size: pass step_bytes")
         step_bytes = schedule.step_bytes(skipped, loop_trips)
     overlapped = max(step_bytes - (fill_bytes + drain_bytes) / steps, 0.0)
-    per_step = max(schedule.step_bundles(skipped, loop_trips) / clock_hz,
-                   overlapped / hbm_bytes_per_s)
-    return (steps * per_step + (schedule.prologue + schedule.epilogue) / clock_hz
-            + (fill_bytes + drain_bytes) / hbm_bytes_per_s)
+    per_step = costs.overlapped(schedule.step_bundles(skipped, loop_trips), overlapped)
+    return (steps * (per_step + costs.grid_step_s)
+            + (schedule.prologue + schedule.epilogue) / costs.clock_hz
+            + (fill_bytes + drain_bytes) / costs.hbm_bytes_per_s)
 
 
 _TOTAL = re.compile(r"total scheduled bundles:\s*(\d+)")
@@ -308,12 +320,13 @@ def check_total(name: str, analysis: str, bundles: int) -> None:
 
 
 def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
-                      program: bool = False) -> list[dict]:
+                      program: bool = False, keep_going: bool = False) -> list[dict]:
     """Compile `builder(**case)` -> (fn, args) for one v6e chip in a child process whose libtpu
     dumps its schedules, one case after another. Per case: {"kernels": {name:
     KernelSchedule}, "xla": the program's cost_analysis() flops, bytes and optimal_seconds,
     "levels": with `program`, the whole program's levels as JSON (profiling.v6e.program_schedule.
-    level_from_json), else None, "hlo": with `program`, its optimized HLO text}.
+    level_from_json), else None, "hlo": with `program`, its optimized HLO text}; with
+    `keep_going`, a case that fails gives {"error": why} instead of stopping the others.
     `builder` is "module:function", importable from the repository root."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, LIBTPU_INIT_ARGS=(
@@ -322,7 +335,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
             ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # this process may hold libtpu too; no TPU here
         out = os.path.join(tmp, "schedules.json")
         request = json.dumps({"builder": builder, "cases": cases, "dump_dir": f"{tmp}/dumps",
-                              "out": out, "program": program})
+                              "out": out, "program": program, "keep_going": keep_going})
         done = subprocess.run([sys.executable, "-m", "profiling.v6e.schedule_worker"],
                               input=request, text=True, capture_output=True, env=env,
                               timeout=timeout_s, cwd=_repository_root())
@@ -330,7 +343,8 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
             raise RuntimeError(f"compiling {builder} for v6e failed:\n{done.stderr[-4000:]}")
         with open(out) as f:
             results = json.load(f)
-    return [{**r, "kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()}}
+    return [r if "error" in r else
+            {**r, "kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()}}
             for r in results]
 
 

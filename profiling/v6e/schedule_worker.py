@@ -3,7 +3,8 @@ its schedules, it compiles each case for one v6e chip and writes what the dumps 
 
 Reads a JSON request on stdin: {"builder": "module:function", "cases": [kwargs, ...],
 "dump_dir": D, "out": F, "program": whether to read the whole program's levels and its
-optimized HLO too};
+optimized HLO too, "keep_going": whether a case that fails to build or compile gives
+{"error": why} and the next case goes on (else the worker stops)};
 `builder(**kwargs)` returns (fn, args) for `compile_for_v6e`, or a program lowered for a v6e
 chip (jax.stages.Lowered).
 """
@@ -26,6 +27,16 @@ def _compiled(built) -> jax.stages.Compiled:
     return compile_for_v6e(fn, *args)
 
 
+def _result(built, dump_dir: str, program: bool) -> dict:
+    compiled = _compiled(built)
+    kernels = read_dumps(dump_dir)
+    return {"kernels": {k: schedule_to_json(kernels[k]) for k in mosaic_kernels(compiled)},
+            "xla": xla_costs(compiled),
+            "levels": [level_to_json(level) for level in program_levels(
+                read_listings(dump_dir))] if program else None,
+            "hlo": compiled.as_text() if program else None}
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     module, function = request["builder"].split(":")
@@ -33,14 +44,12 @@ def main() -> None:
     results = []
     for case in request["cases"]:
         shutil.rmtree(request["dump_dir"], ignore_errors=True)
-        compiled = _compiled(builder(**case))
-        kernels = read_dumps(request["dump_dir"])
-        results.append({"kernels": {k: schedule_to_json(kernels[k])
-                                    for k in mosaic_kernels(compiled)},
-                        "xla": xla_costs(compiled),
-                        "levels": [level_to_json(level) for level in program_levels(
-                            read_listings(request["dump_dir"]))] if request["program"] else None,
-                        "hlo": compiled.as_text() if request["program"] else None})
+        try:
+            results.append(_result(builder(**case), request["dump_dir"], request["program"]))
+        except Exception as e:  # noqa: BLE001 (a case that fails is reported, not fatal)
+            if not request["keep_going"]:
+                raise
+            results.append({"error": f"{type(e).__name__}: {e}"[:2000]})
     with open(request["out"], "w") as f:
         json.dump(results, f)
 
