@@ -162,8 +162,8 @@ def draw_all() -> list[str]:
     points = roofline_points(forward, attention, _load(FLAGS.label_gather))
     if points:
         path = os.path.join(FLAGS.out_dir, "v6e_roofline.png")
-        draw_roofline(points, "v6e estimates from the compiled schedules (a model), bfloat16",
-                      path)
+        draw_roofline(points, "v6e estimates from the compiled schedules (a calibrated model), "
+                      "bfloat16", path)
         written.append(path)
     if FLAGS.compare:
         series = {}
