@@ -1,6 +1,7 @@
 """The README and docs/ kept true to the code: the flags table against the server's own
-`--help`, the layout table against the modules, and every pointer at a doc against its file
-and section."""
+`--help`, the layout tables (the README's, a line a package; docs/architecture.md's, every
+module) against the packages and modules, and every pointer at a doc against its file and
+section."""
 import pathlib
 import re
 import subprocess
@@ -47,9 +48,17 @@ def test_the_flags_table_lists_exactly_the_servers_flags():
     assert listed - served == set(), "flags in the README's table the server lacks"
 
 
-def test_the_layout_table_lists_every_module_and_doc():
+def test_the_readme_stays_a_ten_minute_read():
+    assert len(README.encode()) <= 25_000
+
+
+def test_the_readme_names_every_package_and_architecture_every_module_and_doc():
+    packages = {re.search(r"`(\w+)/`", row).group(1)
+                for row in _table_rows(README, "| package | what it holds |")}
+    assert packages == {*PACKAGES, "tests", "docs"}
     rows = {re.search(r"`(\w+)/`", row).group(1): row
-            for row in _table_rows(README, "| package | what it holds |")}
+            for row in _table_rows((ROOT / "docs" / "architecture.md").read_text(),
+                                   "| package | what it holds |")}
     missing = [f"{package}/{path.relative_to(ROOT / package)}"
                for package in PACKAGES for path in (ROOT / package).rglob("*.py")
                if path.name != "__init__.py" and f"`{path.name}`" not in rows[package]
