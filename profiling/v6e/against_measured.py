@@ -28,9 +28,9 @@ from profiling.v6e.measured_cases import CASE_FILE, MeasuredCase, load_cases
 from profiling.v6e.measured_programs import FLASH, splash_runs, tokamax_installed
 from profiling.v6e.program_schedule import level_from_json, program_seconds
 from profiling.v6e.schedule import (
-    _schedule_from_json,
     compile_schedules,
     estimate_seconds,
+    schedule_from_json,
     schedule_to_json,
 )
 from runtime.cli_flags import parse_flags
@@ -117,7 +117,7 @@ def case_parts(case: MeasuredCase, result: dict) -> CaseParts:
     for name, schedule_json in result["kernels"].items():
         if case.program != FLASH:
             raise ValueError(f"{case.name}: no grid known for kernel {name} of {case.program}")
-        schedule = _schedule_from_json(schedule_json)
+        schedule = schedule_from_json(schedule_json)
         kernels[name] = (schedule, splash_runs(case.arguments, case.config, schedule,
                                                result["stand_in"]))
     facts = op_facts(result["hlo"])

@@ -156,19 +156,19 @@ def op_facts(hlo_text: str) -> dict[str, OpFacts]:
             return 2 * out + sum(array_bytes(_result_type(lines.get(o, "")))
                                  for o in _operands(text)[1:])
         body = next((c for c in called(text) if c in bodies), None)
+        inside = {n: _operands(lines[n]) for n in bodies.get(body, ())}
         params = {int(re.search(r"parameter\((\d+)\)", lines[n]).group(1)): n
-                  for n in bodies.get(body, ()) if _opcode(lines[n]) == "parameter"}
+                  for n in inside if _opcode(lines[n]) == "parameter"}
         read = 0.0
         for i, operand in enumerate(_operands(text)):
-            users = [n for n in bodies.get(body, ()) if i in params
-                     and params[i] in _operands(lines[n])]
+            users = [n for n, uses in inside.items() if i in params and params[i] in uses]
             whole = array_bytes(_result_type(lines.get(operand, "")))
             sliced = users and all(_opcode(lines[n]) in _SLICES + ("fusion",) for n in users)
             read += (min(sum(array_bytes(_result_type(lines[n])) for n in users), whole)
                      if sliced else whole)
         root = bodies[body][-1] if body else None
         if root and _opcode(lines[root]) == "dynamic-update-slice":
-            return read + array_bytes(_result_type(lines[_operands(lines[root])[1]]))
+            return read + array_bytes(_result_type(lines[inside[root][1]]))
         return read + array_bytes(_result_type(text))
 
     out = {}

@@ -105,9 +105,9 @@ def tokamax_cases(cache_dir: str, source: str) -> list[dict]:
 
 
 def _one_case_a_line(data: dict) -> str:
-    head = json.dumps({k: v for k, v in data.items() if k != "cases"}, indent=1)[:-2]
-    lines = ",\n  ".join(json.dumps(c, separators=(",", ":")) for c in data["cases"])
-    return f'{head},\n "cases": [\n  {lines}\n ]\n}}\n'
+    sources = json.dumps(data["sources"], indent=1).replace("\n", "\n ")
+    cases = ",\n  ".join(json.dumps(c, separators=(",", ":")) for c in data["cases"])
+    return f'{{\n "sources": {sources},\n "cases": [\n  {cases}\n ]\n}}\n'
 
 
 FLAGS = flags.FLAGS

@@ -344,7 +344,7 @@ def compile_schedules(builder: str, cases: list[dict], timeout_s: float = 600,
         with open(out) as f:
             results = json.load(f)
     return [r if "error" in r else
-            {**r, "kernels": {k: _schedule_from_json(v) for k, v in r["kernels"].items()}}
+            {**r, "kernels": {k: schedule_from_json(v) for k, v in r["kernels"].items()}}
             for r in results]
 
 
@@ -356,6 +356,6 @@ def schedule_to_json(s: KernelSchedule) -> dict:
     return dataclasses.asdict(s)
 
 
-def _schedule_from_json(d: dict) -> KernelSchedule:
+def schedule_from_json(d: dict) -> KernelSchedule:
     return KernelSchedule(**{**d, "spans": tuple(Span(**s) for s in d["spans"]),
                              "inner_loops": tuple(tuple(x) for x in d["inner_loops"])})
