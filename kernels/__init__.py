@@ -1,10 +1,11 @@
 """The forward's kernels, each with a plain-JAX reference of the same signature beside it.
 
 Public: the kernels (KV write, attention, label gather; on TPU also the projections, which
-can norm their input, add to the residual stream and write k and v into their pages, and q's
-and k's norm and RoPE) and their backends (`select_kernels` picks one implementation of
-each), the attention metadata and the block plan the planned kernels walk (built in the
-program: `plan_attention`; from concrete metadata: `build_plan`).
+can norm their input, add to the residual stream and write k and v into their pages, the
+whole MLP in one kernel, after the output projection where it fits, and q's and k's norm
+and RoPE) and their backends (`select_kernels` picks one implementation of each), the
+attention metadata and the block plan the planned
+kernels walk (built in the program: `plan_attention`; from concrete metadata: `build_plan`).
 """
 from kernels.attention_plan import (
     AttentionPlan,
@@ -17,6 +18,13 @@ from kernels.backends import KERNEL_BACKENDS, TPU_BACKENDS, KernelSet, select_ke
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
+from kernels.mlp_kernel import (
+    mlp,
+    mlp_kernel_applies,
+    mlp_reference,
+    out_and_mlp,
+    out_and_mlp_reference,
+)
 from kernels.projection_kernel import (
     InputNorm,
     PageWrite,
@@ -42,7 +50,8 @@ __all__ = [
     "KernelSet", "PageWrite", "TPU_BACKENDS", "build_plan", "default_block_sizes",
     "final_norm_label_gather",
     "final_norm_label_gather_reference", "final_norm_label_gather_xla", "gated_up",
-    "gated_up_reference", "plan_attention", "project", "project_reference",
+    "gated_up_reference", "mlp", "mlp_kernel_applies", "mlp_reference", "out_and_mlp",
+    "out_and_mlp_reference", "plan_attention", "project", "project_reference",
     "projection_kernel_applies",
     "qk_norm_rope", "qk_norm_rope_reference", "ragged_paged_attention",
     "ragged_paged_attention_reference", "ragged_paged_attention_xla", "rms_norm",

@@ -66,19 +66,20 @@ class BlockSizes:
 
 
 # Block sizes by TPU kind: VMEM use stays a few MiB for head_dim 128 and 8 KV heads. On v6e,
-# 256/256 (estimated from the compiled schedule, a model): the kernel alone takes 9 / 31 / 145
-# us on 10 / 64 / 256 items and 360 us on a 4k causal prefill (Qwen3-0.6B heads, bf16, page
-# 16), against 11 / 47 / 185 / 357 us at 512/256 and 11 / 48 / 224 / 367 us at 256/512; the
-# whole forward is as fast or faster than at 128/512 in 5 of 6 (model, bucket) pairs, at most
-# 2% slower (docs/tpu_v6e.md, "Estimated on v6e from the compiled schedule"). Its steps skip
-# tiles of 128 x 128 that no row sees: on SGLang's shape half of a step's tiles
-# (docs/tpu_v6e.md, "Tiles a step skips").
+# 256/512 (estimated from the compiled schedule by the model calibrated on real v6e
+# measurements, a model): a grid step costs 0.27 us beyond its bundles, and KV blocks of 512
+# take a 300-token SGLang sequence in one step, 14 steps at 2048 tokens where 256/256 took 21
+# (Qwen3-0.6B's forward 4.289 ms against 4.328; 512/512 4.286, but at 128 tokens, whose q
+# block it pads to 512, 5% slower than 256/512, itself 1.5% slower than 256/256 there;
+# docs/tpu_v6e.md, "The layer after attention in one kernel"). Its steps skip tiles of
+# 128 x 128 that no row sees: on SGLang's shape half of a step's tiles (docs/tpu_v6e.md,
+# "Tiles a step skips").
 # The planned XLA loop, by platform: on a GPU each step costs some 60 us of launches and a
 # loop test read back by the host, whatever its size, so steps there are few and large. On
 # CPU, item steps of 16 x 32 take the items off the q blocks of 128 x 128, which then see the
 # query only: a forward on SGLang's shape takes 0.93-0.97 of the time it took with 64 x 128
 # and no item steps, from 256 to 2048 tokens (docs/performance_cpu.md, "Forward per bucket").
-_DEFAULT_BLOCKS = {"TPU v6 lite": BlockSizes(256, 256, tile=128),
+_DEFAULT_BLOCKS = {"TPU v6 lite": BlockSizes(256, 512, tile=128),
                    "TPU v5 lite": BlockSizes(128, 512), "TPU v5": BlockSizes(128, 512),
                    "TPU v4": BlockSizes(128, 256), "xla cpu": BlockSizes(128, 128, 16, 32),
                    "xla gpu": BlockSizes(512, 1024)}

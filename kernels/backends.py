@@ -1,6 +1,6 @@
 """Which implementation runs each of the forward's kernels: the KV write, the ragged paged
-attention, the final-norm label gather and (TPU) the projections and q's and k's norm and
-RoPE. One backend picks them all."""
+attention, the final-norm label gather and (TPU) the projections, the MLP and q's and k's
+norm and RoPE. One backend picks them all."""
 import functools
 from typing import Callable, NamedTuple
 
@@ -10,6 +10,7 @@ from kernels.attention_plan import BlockSizes
 from kernels.kv_write_kernel import write_kv_pages_kernel
 from kernels.label_gather import final_norm_label_gather_reference, final_norm_label_gather_xla
 from kernels.label_gather_kernel import final_norm_label_gather
+from kernels.mlp_kernel import mlp, out_and_mlp
 from kernels.projection_kernel import gated_up, project
 from kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention
@@ -32,6 +33,12 @@ class KernelSet(NamedTuple):
     #                                  with `rope`; None: the model's XLA dots
     gated_up: Callable | None = None  # (x, w_gate, w_up, *, name) -> SiLU(x @ w_gate) *
     #                                   (x @ w_up); None: the model's XLA ops
+    mlp: Callable | None = None  # (x, w_gate, w_up, w_down, *, layer, x_norm, residual,
+    #                              out_dtype, name) -> the whole MLP and its residual add in
+    #                              one kernel; None: gate_up and the down projection
+    out_and_mlp: Callable | None = None  # (attn, wo, residual, w_gate, w_up, w_down, *, layer,
+    #                                      x_norm, name) -> the output projection, its
+    #                                      residual add and the MLP's, in one kernel
 
 
 def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
@@ -58,4 +65,6 @@ def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
         functools.partial(final_norm_label_gather, interpret=interpret),
         functools.partial(qk_norm_rope, interpret=interpret),
         functools.partial(project, interpret=interpret),
-        functools.partial(gated_up, interpret=interpret))
+        functools.partial(gated_up, interpret=interpret),
+        functools.partial(mlp, interpret=interpret),
+        functools.partial(out_and_mlp, interpret=interpret))

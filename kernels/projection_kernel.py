@@ -137,7 +137,7 @@ def silu(x):
     return x / (1 + jnp.exp(-x))
 
 
-def _finish_gated(products, out_dtype):
+def finish_gated(products, out_dtype):
     """SiLU(gate) times up, each rounded to `out_dtype` first, as the model's XLA ops do."""
     gate, up = (p.astype(out_dtype) for p in products)
     return (silu(gate.astype(jnp.float32)).astype(out_dtype) * up,)
@@ -148,7 +148,7 @@ def _finish_each(products, biases, out_dtype):
                  for p, b in zip(products, biases))
 
 
-def _added(residual, y):
+def added(residual, y):
     """residual + y in y's dtype, rounded once, as the model's add of the two."""
     return (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(y.dtype)
 
@@ -229,11 +229,11 @@ def _products(x, w_refs, columns) -> list:
 
 def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout: _Layout):
     dtype = out_refs[0].dtype
-    outs = (_finish_gated(products, dtype) if layout.gated
+    outs = (finish_gated(products, dtype) if layout.gated
             else _finish_each(products,
                               [b[:, columns] for b in b_refs] or [None] * len(products), dtype))
     if residual:
-        outs = (_added(residual[0][rows, columns], outs[0]),)
+        outs = (added(residual[0][rows, columns], outs[0]),)
     for i, (out, y) in enumerate(zip(out_refs, outs)):
         if i == 0 and layout.rope is not None:
             _store_rotated(out, y, *rope_refs, rows=rows, first_lane=columns.start,
@@ -738,7 +738,7 @@ def gated_up_reference(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None 
     x = _normed_reference(x, x_norm)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer((w_gate, w_up), layer)]
-    return _finish_gated(products, x.dtype)[0]
+    return finish_gated(products, x.dtype)[0]
 
 
 def _normed_reference(x, x_norm: InputNorm | None):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kernels.attention_plan import BlockSizes, plan_attention
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
+from kernels.mlp_kernel import mlp_kernel_applies
 from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.projection_kernel import (
     InputNorm,
@@ -290,6 +291,37 @@ def _mlp(project: Project, gated_up: Callable | None, h, shards: ShardPlan, resi
     return project(h, (("w_down", None),), "project_down", shards, residual=residual)[0]
 
 
+def _mlp_kernel(mlp: Callable, stacked: dict, layer, x, x_norm: InputNorm, shards: ShardPlan):
+    """x plus its MLP in one kernel (kernels.mlp_kernel), the weights read from the stacks at
+    the layer; a row-split down projection's float32 partial sums all-reduced before the
+    residual add, as the projections' (`_kernel_projections`)."""
+    weights = _mlp_weights(stacked)
+    if not shards.sharded:
+        return mlp(x, *weights, layer=layer, x_norm=x_norm, residual=x, name="mlp")
+    sums = mlp(x, *weights, layer=layer, x_norm=x_norm, out_dtype=jnp.float32, name="mlp")
+    return _plus(x, (_finished(sums, x.dtype, None, shards),))[0]
+
+
+def _mlp_weights(stacked: dict) -> tuple:
+    return tuple(stacked[w] for w in ("w_gate", "w_up", "w_down"))
+
+
+def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_params: dict,
+                 tokens: int, shards: ShardPlan) -> KernelSet:
+    """The MLP's kernel where it takes this shard's weights, after the output projection
+    where those fit too and the layer has no output bias, on one chip (else the output
+    projection's row-split partial sums are all-reduced before its residual add)."""
+    if kernels.project is None:
+        return kernels._replace(mlp=None, out_and_mlp=None)
+    itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
+    if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
+        return kernels._replace(mlp=None, out_and_mlp=None)
+    if (shards.sharded or "bo" in layer_params or not mlp_kernel_applies(
+            tokens, cfg.hidden_size, inner, itemsize, stacked["wo"].shape[-2])):
+        return kernels._replace(out_and_mlp=None)
+    return kernels
+
+
 def _pad_head_dim(x, width: int):
     """[T, H, D] -> [T, H, width], zeros after D: q.k and p.v are unchanged."""
     return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
@@ -328,15 +360,24 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     with jax.named_scope("attention"):
         attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
         attn = attn.reshape(attn.shape[0], -1)
+    mlp_norm = InputNorm(lp["mlp_norm"], cfg.rms_norm_eps)
+    if kernels.out_and_mlp is not None:
+        with jax.named_scope("out_and_mlp"):
+            x = kernels.out_and_mlp(attn, stacked["wo"], x, *_mlp_weights(stacked),
+                                    layer=layer, x_norm=mlp_norm)
+        return (x, KVCache(k_pages, v_pages)), None
     with jax.named_scope("out_proj"):
         (x,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
                        shards, residual=x)
     with jax.named_scope("mlp"):
-        h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
-        gated_up = kernels.gated_up and functools.partial(
-            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-            x_norm=h_norm, name="gate_up")
-        x = _mlp(project, gated_up, h, shards, residual=x)
+        if kernels.mlp is not None:
+            x = _mlp_kernel(kernels.mlp, stacked, layer, x, mlp_norm, shards)
+        else:
+            h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
+            gated_up = kernels.gated_up and functools.partial(
+                kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"],
+                layer=layer, x_norm=h_norm, name="gate_up")
+            x = _mlp(project, gated_up, h, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
 
 
@@ -387,6 +428,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
         layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
+    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)

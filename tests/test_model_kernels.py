@@ -77,21 +77,57 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
                         kw.get("pages") is not None, kw.get("x_norm") is not None)))
     path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
                             intermediate_size=256, **overrides)
+    cfg = _scores_as_reference(path)
+    want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None,
+             name == "project_kv" and head_dim % 128 == 0,
+             name in ("project_q", "project_kv", "gate_up"))
+            for name in decoder.projection_shapes(cfg)}
+    assert set(projected) == (want if projections else set())
+    assert set(traced) == (set() if projections else {head_dim})
+
+
+@pytest.mark.parametrize("tp, fused", [(1, "out_and_mlp"), (2, "mlp")])
+def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, tp, fused):
+    """Qwen3's layer after its attention in one kernel (the output projection and its
+    residual add, the MLP's norm, gate and up, down and its residual add) on one device;
+    split over two, the MLP alone (its row-split down's float32 partial sums all-reduced
+    before the residual add, as the output projection's): the Pallas kernels in the TPU
+    interpreter score as the dense reference, and the gate and up's kernel no longer runs."""
+    from kernels import backends, mlp_kernel, projection_kernel
+    from tests.tiny_models import write_checkpoint
+    for module in (projection_kernel, mlp_kernel):  # the tests' batches are small
+        monkeypatch.setattr(module, "MIN_TOKENS", 0)
+        monkeypatch.setattr(module, "NORM_MIN_STEPS", 1)
+    called = []
+
+    def counting(name):
+        kernel = getattr(backends, name)
+
+        def counted(*args, **kw):
+            called.append(name)
+            return kernel(*args, **kw)
+        return counted
+    for name in ("gated_up", "mlp", "out_and_mlp"):
+        monkeypatch.setattr(backends, name, counting(name))
+    _scores_as_reference(write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=6,
+                                          hidden_size=128, intermediate_size=512,
+                                          head_dim=128), tp_size=tp)
+    assert set(called) == {fused}
+
+
+def _scores_as_reference(path: str, **kernel_config):
+    """The Pallas kernels in the TPU interpreter (with `kernel_config`) score the checkpoint
+    at `path` as the dense reference; returns its model config."""
     kernel, reference = (Engine.from_path(path, small_config(**kw)) for kw in (
-        dict(kernel_backend="interpret", q_block=8, kv_block=16),
+        dict(kernel_backend="interpret", q_block=8, kv_block=16, **kernel_config),
         dict(kernel_backend="reference")))
     try:
         args = ("Answer Yes or No:", [" Paris", " the flag of Tokyo"], [3, 4, 3])
         assert_scores_close(kernel.score(*args).scores, reference.score(*args).scores)
+        return kernel.runner.cfg
     finally:
         kernel.close()
         reference.close()
-    want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None,
-             name == "project_kv" and head_dim % 128 == 0,
-             name in ("project_q", "project_kv", "gate_up"))
-            for name in decoder.projection_shapes(kernel.runner.cfg)}
-    assert set(projected) == (want if projections else set())
-    assert set(traced) == (set() if projections else {head_dim})
 
 
 def test_the_xla_loop_takes_its_block_sizes_by_platform():

@@ -36,6 +36,12 @@ WITH_PROJECTIONS = sorted([k for k in KERNELS if k != "qk_norm_rope"]
 # With heads of whole lane tiles (the pool's own), k and v go into their pages in their
 # projection: no KV-write kernel.
 INTO_PAGES = [k for k in WITH_PROJECTIONS if k != "write_kv_pages"]
+# From 2048 tokens, where the MLP's weights fit VMEM (kernels.mlp_kernel): the MLP in one
+# kernel, after the output projection on one chip; split, the output projection's partial
+# sums are all-reduced before its residual add, so it keeps its own kernel.
+MLP_SPLIT = sorted([k for k in INTO_PAGES if k not in ("gate_up", "project_down")] + ["mlp"])
+MLP_WHOLE = sorted([k for k in MLP_SPLIT if k not in ("mlp", "project_out")]
+                   + ["out_and_mlp"])
 POOL_PAGES = 2048  # 32k tokens, the server's default pool on CPU
 
 
@@ -76,18 +82,19 @@ def test_server_programs_of_the_embedded_model_compile_for_v6e(embedded_config):
 
 # TP 1 of Qwen3-0.6B: its largest program, in the test after this one. Whether a shard's
 # projections take their kernel: Qwen2.5-0.5B's q is 448 wide a shard at TP 2.
-TENSOR_PARALLEL = [("SmolLM2-135M", 3, KERNELS), ("Qwen3-0.6B", 4, INTO_PAGES),
-                   ("Qwen2.5-0.5B", 1, WITH_PROJECTIONS), ("Qwen2.5-0.5B", 2, KERNELS),
-                   ("Llama-3.2-1B", 4, WITH_PROJECTIONS)]  # Qwen2.5's 14 heads: no TP 4
+TENSOR_PARALLEL = [("SmolLM2-135M", 3, 512, KERNELS), ("Qwen3-0.6B", 4, 2048, MLP_SPLIT),
+                   ("Qwen2.5-0.5B", 1, 512, WITH_PROJECTIONS),
+                   ("Qwen2.5-0.5B", 2, 512, KERNELS),
+                   ("Llama-3.2-1B", 4, 512, WITH_PROJECTIONS)]  # Qwen2.5's 14 heads: no TP 4
 
 
-@pytest.mark.parametrize("model, tp, kernels", TENSOR_PARALLEL)
-def test_sized_model_programs_compile_for_v6e(model, tp, kernels):
-    """One 512-token bucket, on one chip or split over a 2x2 slice."""
+@pytest.mark.parametrize("model, tp, tokens, kernels", TENSOR_PARALLEL)
+def test_sized_model_programs_compile_for_v6e(model, tp, tokens, kernels):
+    """One bucket, on one chip or split over a 2x2 slice."""
     cfg = SIZED_MODELS[model]
     programs = server_programs(EngineConfig(dtype="bfloat16", tp_size=tp), cfg,
                                v6e_devices(1 if tp == 1 else 4)[:tp], POOL_PAGES)
-    compiled = programs.get(programs.buckets.shape(512))
+    compiled = programs.get(programs.buckets.shape(tokens))
     assert mosaic_kernels(compiled) == kernels
     assert_in_place(programs, compiled)
     assert ("all-reduce" in compiled.as_text()) == (tp > 1)
@@ -107,7 +114,7 @@ def test_default_pool_fits_a_32_gib_v6e():
     programs = programs_with(pages)
     assert programs.pool_bytes > 0.6 * V6E_HBM_BYTES  # most of the chip goes to the pool
     compiled = programs.get(programs.buckets.all_shapes()[-1])
-    assert mosaic_kernels(compiled) == INTO_PAGES
+    assert mosaic_kernels(compiled) == MLP_WHOLE
     assert_in_place(programs, compiled)
     assert hbm_bytes(compiled)["total"] <= engine_cfg.mem_fraction * V6E_HBM_BYTES
 

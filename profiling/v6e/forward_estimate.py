@@ -35,6 +35,7 @@ from profiling.v6e.kernel_estimates import (
     kv_write_estimate,
     label_gather_estimate,
     label_run_count,
+    mlp_estimate,
     projection_estimate,
     rope_estimate,
 )
@@ -87,8 +88,8 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
                  if "kv_write" in kernels else {}),
               **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
                  else {}),
-              **{name: kernels[name]["v6e_estimate_s"] for name in projection_shapes(cfg)
-                 if name in kernels},
+              **{name: kernels[name]["v6e_estimate_s"] for name in (*projection_shapes(cfg),
+                                                                    "mlp", "out_and_mlp") if name in kernels},
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
     levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
@@ -163,11 +164,16 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         blocks[name], paged.get(name))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
+    out_depth = cfg.num_heads * cfg.head_dim
+    mlp = {name: mlp_estimate(schedules[name], shape.tokens, cfg.hidden_size,
+                              cfg.intermediate_size, 2, residual=True,
+                              out_depth=out_depth if name == "out_and_mlp" else 0)
+           for name in ("mlp", "out_and_mlp") if name in schedules}  # one chip
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
         schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP), PAGES_PER_STEP,
         real_pages, cfg.num_kv_heads * page_size * d * 2)}
     return {
-        **rope, **projections, **kv_write,
+        **rope, **projections, **mlp, **kv_write,
         "attention": attention_estimate(
             schedules["ragged_paged_attention"], plan, steps, attn.bytes_accessed, attn_blocks,
             whole_block_steps(plan, batch.attention, sizes, page_size, _POOL_PAGES)),

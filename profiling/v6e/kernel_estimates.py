@@ -18,6 +18,7 @@ from kernels.label_gather_kernel import (
     label_row_block,
     streamed_row_block,
 )
+from kernels.mlp_kernel import mlp_bytes, mlp_rows
 from kernels.projection_kernel import (
     ProjectionBlocks,
     first_chunk_columns,
@@ -227,6 +228,39 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
             "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
             + steps * V6E.grid_step_s
             + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E.clock_hz}
+
+
+def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
+                 itemsize: int, residual: bool, out_depth: int = 0) -> dict:
+    """The MLP kernel (kernels.mlp_kernel; after the output projection of `out_depth` inputs
+    where it takes one) over `tokens`: its fill (the first blocks of its input and of the
+    residual, and the first chunk of the weights it waits for first), its first step (the
+    rest of the weights arriving while it computes, each group of chunks' products after their
+    group: the larger of its bundles and those bytes plus the share of its bundles, by FLOPs,
+    of the last group's down products, which wait for down's last rows), its other steps (each the larger of its bundles and its share of the
+    bytes), its drain (the last output block) and its grid steps."""
+    rows = mlp_rows(tokens)
+    steps = tokens // rows
+    chunk, out_chunk = (first_chunk_columns(w, ProjectionBlocks(rows, w))
+                        for w in (inner, hidden))
+    first_weights = out_depth * out_chunk if out_depth else 2 * hidden * chunk
+    block = rows * hidden * itemsize
+    fill = rows * (out_depth or hidden) * itemsize + block * residual + first_weights * itemsize
+    later = ((3 * inner + out_depth) * hidden - first_weights) * itemsize
+    step_bytes = (mlp_bytes(tokens, hidden, inner, itemsize, itemsize, residual, out_depth)
+                  - fill - later - block) / steps
+    first, others = _first_step_bundles(schedule, chunked=True)
+    last_share = len(first_step_waits(inner // chunk)[-1]) * chunk / inner * (
+        inner / (3 * inner + out_depth))  # the last chunks' down products
+    first_s = max(first / V6E.clock_hz, (later + step_bytes) / V6E.hbm_bytes_per_s
+                  + first * last_share / V6E.clock_hz)
+    other_s = max(others / V6E.clock_hz, step_bytes / V6E.hbm_bytes_per_s)
+    fill_s, drain_s = fill / V6E.hbm_bytes_per_s, block / V6E.hbm_bytes_per_s
+    return {"steps": steps, "rows": rows, "step_bundles": others, "first_step_bundles": first,
+            "fill_s": fill_s, "drain_s": drain_s,
+            "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
+            + steps * V6E.grid_step_s
+            + (schedule.prologue + schedule.epilogue) / V6E.clock_hz}
 
 
 def _first_step_bundles(schedule: KernelSchedule, chunked: bool,
