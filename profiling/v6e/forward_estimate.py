@@ -164,7 +164,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         blocks[name], paged.get(name))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
-    out_depth = cfg.num_heads * cfg.head_dim
+    out_depth = projection_shapes(cfg)["project_out"][0]
     mlp = {name: mlp_estimate(schedules[name], shape.tokens, cfg.hidden_size,
                               cfg.intermediate_size, 2, residual=True,
                               out_depth=out_depth if name == "out_and_mlp" else 0)

@@ -218,16 +218,10 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
         first = others = schedule.prologue + schedule.step
     last_wait = first_step_waits(blocks.columns // chunk)[-1]  # its products after the last
     last_chunk = first * len(last_wait) * chunk / blocks.columns if later else 0
-    first_s = max(first / V6E.clock_hz, (later + step_bytes) / V6E.hbm_bytes_per_s
-                  + last_chunk / V6E.clock_hz)
-    other_s = max(others / V6E.clock_hz, step_bytes / V6E.hbm_bytes_per_s)
-    fill_s, drain_s = fill / V6E.hbm_bytes_per_s, drain / V6E.hbm_bytes_per_s
     return {"steps": steps, "rows": blocks.rows, "columns": blocks.columns,
-            "step_bundles": others, "first_step_bundles": first, "fill_s": fill_s,
-            "drain_s": drain_s,
-            "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
-            + steps * V6E.grid_step_s
-            + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E.clock_hz}
+            "step_bundles": others, "first_step_bundles": first,
+            **_weights_in_first_step(schedule, steps, first, others, fill, later, step_bytes,
+                                     last_chunk, drain)}
 
 
 def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
@@ -252,15 +246,27 @@ def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
     first, others = _first_step_bundles(schedule, chunked=True)
     last_share = len(first_step_waits(inner // chunk)[-1]) * chunk / inner * (
         inner / (3 * inner + out_depth))  # the last chunks' down products
-    first_s = max(first / V6E.clock_hz, (later + step_bytes) / V6E.hbm_bytes_per_s
-                  + first * last_share / V6E.clock_hz)
-    other_s = max(others / V6E.clock_hz, step_bytes / V6E.hbm_bytes_per_s)
-    fill_s, drain_s = fill / V6E.hbm_bytes_per_s, block / V6E.hbm_bytes_per_s
     return {"steps": steps, "rows": rows, "step_bundles": others, "first_step_bundles": first,
-            "fill_s": fill_s, "drain_s": drain_s,
+            **_weights_in_first_step(schedule, steps, first, others, fill, later, step_bytes,
+                                     first * last_share, block)}
+
+
+def _weights_in_first_step(schedule: KernelSchedule, steps: int, first: float, others: float,
+                           fill: float, later: float, step_bytes: float, tail: float,
+                           drain: float) -> dict:
+    """A kernel whose first step copies in the weights every step reads: its fill (`fill`
+    bytes before anything overlaps them), its first step (the larger of its `first` bundles
+    and the `later` bytes plus its share of the others, then the `tail` bundles after its
+    last wait), each other step (the larger of its bundles and its share of the bytes), its
+    drain (`drain` bytes after the last step) and its grid steps."""
+    first_s = max(first / V6E.clock_hz, (later + step_bytes) / V6E.hbm_bytes_per_s
+                  + tail / V6E.clock_hz)
+    other_s = max(others / V6E.clock_hz, step_bytes / V6E.hbm_bytes_per_s)
+    fill_s, drain_s = fill / V6E.hbm_bytes_per_s, drain / V6E.hbm_bytes_per_s
+    return {"fill_s": fill_s, "drain_s": drain_s,
             "v6e_estimate_s": fill_s + first_s + (steps - 1) * other_s + drain_s
             + steps * V6E.grid_step_s
-            + (schedule.prologue + schedule.epilogue) / V6E.clock_hz}
+            + ((schedule.prologue if steps > 1 else 0) + schedule.epilogue) / V6E.clock_hz}
 
 
 def _first_step_bundles(schedule: KernelSchedule, chunked: bool,
