@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.ragged_paged_attention import soft_capped
 from kernels.rms_norm import rms_norm
 
 # With the logsumexp every row block reads the whole head, as vocabulary-major logits
@@ -33,8 +34,10 @@ def check_gather_shapes(hidden, norm_weight, head, label_ids) -> None:
 
 
 def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, eps: float,
-                                      with_logsumexp: bool, num_rows=None, num_labels=None):
-    """Every row and label: `num_rows` and `num_labels` (the real ones) are not used."""
+                                      with_logsumexp: bool, num_rows=None, num_labels=None,
+                                      softcap: float = 0.0):
+    """Every row and label: `num_rows` and `num_labels` (the real ones) are not used.
+    `softcap`: the logits' (Gemma 2's final soft-cap), before the logsumexp."""
     del num_rows, num_labels
     check_gather_shapes(hidden, norm_weight, head, label_ids)
     x = rms_norm(hidden, norm_weight, eps)
@@ -42,31 +45,33 @@ def final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, *, e
     if not with_logsumexp and n_labels * width <= vocab:
         rows = head[label_ids]  # [R, K, H]: only the label rows of the head
         label_logits = jnp.einsum("rh,rkh->rk", x, rows, preferred_element_type=jnp.float32)
-        return label_logits, None
+        return soft_capped(label_logits, softcap), None
     # The logsumexp needs every logit; so do label sets larger than the head itself.
-    logits = jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32)
+    logits = soft_capped(jnp.einsum("rh,vh->rv", x, head, preferred_element_type=jnp.float32),
+                         softcap)
     label_logits = jnp.take_along_axis(logits, label_ids, axis=1)
     return label_logits, jax.nn.logsumexp(logits, axis=-1) if with_logsumexp else None
 
 
-def _vocab_major_block(x, head, label_ids):
+def _vocab_major_block(x, head, label_ids, softcap: float):
     """Label logits and logsumexp of normed rows x, the logits computed [V, R] (XLA would turn
     a transpose of them back into [R, V] logits)."""
-    logits = jnp.einsum("vh,rh->vr", head, x, preferred_element_type=jnp.float32)
+    logits = soft_capped(jnp.einsum("vh,rh->vr", head, x, preferred_element_type=jnp.float32),
+                         softcap)
     label_logits = jnp.take_along_axis(logits, label_ids.T, axis=0).T
     return label_logits, jax.nn.logsumexp(logits, axis=0)
 
 
 def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: float,
                                 with_logsumexp: bool, num_rows, num_labels=None,
-                                row_block: int = ROW_BLOCK):
+                                row_block: int = ROW_BLOCK, softcap: float = 0.0):
     """The reference on the first `num_rows` rows (runtime data): with a logsumexp, where every
     row reads the whole head, one row alone, up to 16 in one block (`TAIL_BLOCKS`), and more
     in a loop over blocks of `row_block`, so that padded rows cost little. Rows past the
     last block are zero. Every label is computed (`num_labels` is not used)."""
     del num_labels
     check_gather_shapes(hidden, norm_weight, head, label_ids)
-    kw = dict(eps=eps, with_logsumexp=with_logsumexp)
+    kw = dict(eps=eps, with_logsumexp=with_logsumexp, softcap=softcap)
     r, k = label_ids.shape
     if not with_logsumexp:  # a padded row costs K head rows; in a loop XLA CPU copied the head
         logits, _ = final_norm_label_gather_reference(hidden, norm_weight, head, label_ids, **kw)
@@ -79,7 +84,8 @@ def final_norm_label_gather_xla(hidden, norm_weight, head, label_ids, *, eps: fl
     def block(start, size, out):
         rows = (start, 0)
         logits, lse = _vocab_major_block(jax.lax.dynamic_slice(x, rows, (size, x.shape[1])), head,
-                                         jax.lax.dynamic_slice(label_ids, rows, (size, k)))
+                                         jax.lax.dynamic_slice(label_ids, rows, (size, k)),
+                                         softcap)
         return (jax.lax.dynamic_update_slice(out[0], logits, rows),
                 jax.lax.dynamic_update_slice(out[1], lse, rows[:1]))
 

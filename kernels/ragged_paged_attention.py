@@ -8,6 +8,11 @@ Layout (shared with the Pallas kernel):
 Token t of sequence s sits at KV position p(t) = kv_lens[s] - q_len[s] + (t - cu_q_lens[s]);
 it sees KV position j iff  j <= p(t)  and  (j < shared_lens[s]  or  j >= visible_from[t]).
 Causal sequences have shared_lens = visible_from = 0.
+
+A sliding window W (a layer's, traced) applies by *logical* position, the one a token has when
+its item is scored alone (query, then its own item): an item token's logical distance to a
+query key j < L is p(t) - j - (a(t) - L), to a key of its own item p(t) - j; it sees the key
+iff that distance < W (HF's `q - k < W`). The window never lets a token see more.
 """
 from typing import Any, NamedTuple
 
@@ -90,27 +95,48 @@ def gather_pages(pages, layer, ids):
     return pages[layer, :, ids].transpose(1, 0, 2, 3).reshape(hkv, -1, d)
 
 
-def sees(kv_pos, q_pos, visible_from, shared_len, kv_len):
+def sees(kv_pos, q_pos, visible_from, shared_len, kv_len, window=None):
     """The multi-item mask, elementwise (broadcasting): a token at KV position `q_pos` sees
     position `kv_pos` iff it is not later, and is shared or in the token's own window, and
-    holds a key. Every kernel masks with this; the attention plan's `_kv_block_steps` is its
-    block-level form."""
+    holds a key, and (a sliding `window` > 0) lies within the window by logical position.
+    Every kernel masks with this; the attention plan's `_kv_block_steps` is its block-level
+    form."""
     in_window = (kv_pos < shared_len) | (kv_pos >= visible_from)
-    return (kv_pos <= q_pos) & in_window & (kv_pos < kv_len)
+    visible = (kv_pos <= q_pos) & in_window & (kv_pos < kv_len)
+    if window is None:
+        return visible
+    return visible & ((window <= 0) | (logical_distance(kv_pos, q_pos, visible_from,
+                                                        shared_len) < window))
 
 
-def visible_mask(q_pos, visible_from, shared_len, kv_len, kv_pos):
+def logical_distance(kv_pos, q_pos, visible_from, shared_len):
+    """How far back a visible key lies from the token by logical position: an item token
+    (visible_from past the shared query) is as far from the query as if its item followed
+    the query directly."""
+    gap = jnp.maximum(visible_from - shared_len, 0)
+    return q_pos - kv_pos - jnp.where(kv_pos < shared_len, gap, 0)
+
+
+def soft_capped(s, softcap: float):
+    """cap * tanh(s / cap): Gemma 2's attention scores (before the mask) and final logits."""
+    return s if not softcap else softcap * jnp.tanh(s / softcap)
+
+
+def visible_mask(q_pos, visible_from, shared_len, kv_len, kv_pos, window=None):
     """[Q, K] bool: `sees` for every (token, key) pair."""
-    return sees(kv_pos[None, :], q_pos[:, None], visible_from[:, None], shared_len, kv_len)
+    return sees(kv_pos[None, :], q_pos[:, None], visible_from[:, None], shared_len, kv_len,
+                window)
 
 
-def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, shared_len, kv_len, sm_scale):
+def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, shared_len, kv_len, sm_scale,
+                         softcap, window):
     """q_blk [C, Hq, D]; k/v_seq [Hkv, K, D] -> [C, Hq, D] (float32 math)."""
     c, hq, d = q_blk.shape
     hkv, kv_max, _ = k_seq.shape
     qg = q_blk.astype(jnp.float32).reshape(c, hkv, hq // hkv, d)
     s = jnp.einsum("chgd,hkd->hgck", qg, k_seq.astype(jnp.float32)) * sm_scale
-    mask = visible_mask(q_pos, vis, shared_len, kv_len, jnp.arange(kv_max))
+    s = soft_capped(s, softcap)
+    mask = visible_mask(q_pos, vis, shared_len, kv_len, jnp.arange(kv_max), window)
     s = jnp.where(mask[None, None], s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("hgck,hkd->chgd", p, v_seq.astype(jnp.float32))
@@ -118,8 +144,10 @@ def _seq_block_attention(q_blk, k_seq, v_seq, q_pos, vis, shared_len, kv_len, sm
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
-                                     sm_scale: float, max_q_len: int, q_block: int = 256):
-    """Reference path. Every sequence must have at most `max_q_len` new tokens."""
+                                     sm_scale: float, max_q_len: int, q_block: int = 256,
+                                     softcap: float = 0.0, window=None):
+    """Reference path. Every sequence must have at most `max_q_len` new tokens. `softcap`:
+    the scores', before the mask; `window`: the layer's sliding window (0: none)."""
     q, k_pages, v_pages, md = jax.tree.map(jnp.asarray, (q, k_pages, v_pages, md))
     check_attention_shapes(q, k_pages, v_pages, md)
     t, hq, d = q.shape
@@ -136,7 +164,8 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, layer, md: AttentionMe
         k_seq = gather_pages(k_pages, layer, md.page_indices[s])
         v_seq = gather_pages(v_pages, layer, md.page_indices[s])
         return _seq_block_attention(q[tok], k_seq, v_seq, q_pos, md.visible_from[tok],
-                                    md.shared_lens[s], md.kv_lens[s], sm_scale)
+                                    md.shared_lens[s], md.kv_lens[s], sm_scale, softcap,
+                                    window)
 
     blocks = jax.lax.map(one_block, jnp.arange(n_seqs * n_blocks))
     per_seq = blocks.reshape(n_seqs, n_blocks * q_block, hq, d)

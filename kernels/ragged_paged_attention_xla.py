@@ -27,6 +27,7 @@ from kernels.ragged_paged_attention import (
     AttentionMetadata,
     check_attention_shapes,
     gather_pages,
+    soft_capped,
     visible_mask,
 )
 
@@ -50,7 +51,7 @@ def _row_reduce(op, x, fold: int = 16):
 
 
 def _step(i, state, *, block, seq, start, q_block, width, below_split, q, k_pages, v_pages,
-          layer, pages, md, rows, split, sm_scale):
+          layer, pages, md, rows, split, sm_scale, softcap, window):
     """Step i: q block block[i] of `q_block` rows, sequence seq[i], KV positions [start[i],
     start[i] + width). q is [Hkv, group, tokens, D]; a block's rows are (query head in group,
     token), as in the kernel. `rows`: each token's (KV position, sequence, visible-from)."""
@@ -61,13 +62,14 @@ def _step(i, state, *, block, seq, start, q_block, width, below_split, q, k_page
     pos = jnp.where(row_seq == s_i, pos, -1)
     cols = first_col + jnp.arange(width)
     side = cols < split[s_i] if below_split else cols >= split[s_i]
-    mask = visible_mask(pos, vis, md.shared_lens[s_i], md.kv_lens[s_i], cols)
+    mask = visible_mask(pos, vis, md.shared_lens[s_i], md.kv_lens[s_i], cols, window)
     bias = jnp.where(mask & side[None], 0.0, MASKED)
     k, v = _window_kv(pages[s_i], first_col, width, k_pages, v_pages, layer)
     rows_of = lambda x: jax.lax.dynamic_slice_in_dim(x, row0, q_block, axis=2)  # noqa: E731
     q_rows = rows_of(q).reshape(hkv, group * q_block, d)
     # The scale on the window's keys: a pass over [Hkv, width, D] instead of over the scores.
-    s = jnp.einsum("hrd,hkd->hrk", q_rows, k.astype(jnp.float32) * sm_scale)
+    s = soft_capped(jnp.einsum("hrd,hkd->hrk", q_rows, k.astype(jnp.float32) * sm_scale),
+                    softcap)
     s = (s.reshape(hkv, group, q_block, width) + bias).reshape(hkv, -1, width)
     m, total = (rows_of(x).reshape(hkv, -1) for x in (m_all, total_all))
     m_new = jnp.maximum(m, _row_reduce(jnp.maximum, s))
@@ -100,9 +102,11 @@ def _check_plan(plan, t: int, sizes: BlockSizes) -> None:
 
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
-                               sm_scale: float, max_q_len: int, sizes: BlockSizes):
+                               sm_scale: float, max_q_len: int, sizes: BlockSizes,
+                               softcap: float = 0.0, window=None):
     """`md.plan` comes from `plan_attention` (or `build_plan`) on the same metadata and block
-    sizes."""
+    sizes. `softcap` and `window`: as the reference's (the plan's blocks are a superset of
+    what a window leaves)."""
     del max_q_len  # the plan bounds the work
     check_attention_shapes(q, k_pages, v_pages, md)
     page_size = k_pages.shape[3]
@@ -123,7 +127,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, layer, md: AttentionMetadata
     split = md.kv_lens if plan.kv_split is None else plan.kv_split
     step = functools.partial(
         _step, q=q_heads, k_pages=k_pages, v_pages=v_pages, layer=layer, pages=pages, md=md,
-        rows=rows, split=split, sm_scale=sm_scale)
+        rows=rows, split=split, sm_scale=sm_scale, softcap=softcap, window=window)
     stats = jnp.full(q_heads.shape[:3], MASKED, jnp.float32)
     state = (stats, jnp.zeros_like(stats), jnp.zeros_like(q_heads))
     blocks = functools.partial(step, block=plan.step_block, seq=plan.step_seq,

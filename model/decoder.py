@@ -1,4 +1,5 @@
-"""Pure functional decoder for the Llama, Qwen2 and Qwen3 families.
+"""Pure functional decoder for the Llama, Qwen2, Qwen3, Mistral and Gemma 1-3 families (their
+differences: model.config.ModelConfig's fields).
 
 params (see model.params) + config + ForwardBatch + KV cache -> label logits of the scored rows.
 The layers' weights are stacked and scanned, so compile time does not grow with depth (on
@@ -280,12 +281,20 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
     return y if cos is None else apply_rope(y, cos, sin, feature_major=True)
 
 
-def _mlp(project: Project, gated_up: Callable | None, h, shards: ShardPlan, residual):
-    """`residual` plus the MLP of h. `gated_up`: h -> SiLU(h @ w_gate) * (h @ w_up) in one
-    kernel; None: XLA's ops."""
+def gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def _mlp(activation: Callable, project: Project, gated_up: Callable | None, h,
+         shards: ShardPlan, residual):
+    """`residual` plus the MLP of h (None: the MLP alone). `gated_up`: h -> SiLU(h @ w_gate) *
+    (h @ w_up) in one kernel; None: XLA's ops, with `activation` (of ACTIVATIONS)."""
     if gated_up is None:
         gate, up = project(h, (("w_gate", None), ("w_up", None)), "gate_up")
-        h = silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+        h = activation(gate.astype(jnp.float32)).astype(up.dtype) * up
     else:
         h = gated_up(h)
     return project(h, (("w_down", None),), "project_down", shards, residual=residual)[0]
@@ -337,10 +346,11 @@ def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
 
 
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch,
-           written: tuple, cos, sin, matrices: tuple | None, stacked: dict,
+           written: tuple, ropes: "_Ropes", matrices: tuple | None, stacked: dict,
            feature_major: bool, norms_in: "_NormsIn", carry, xs):
     x, cache = carry
-    lp, layer = xs
+    lp, layer, window = xs
+    cos, sin = ropes.of_layer(window)
     dot = _layer_dot(lp, matrices, layer, feature_major)
     project = _layer_projections(kernels, lp, stacked, layer, dot, feature_major)
     with jax.named_scope("qkv"):
@@ -358,8 +368,13 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
             k_pages, v_pages = kernels.write(cache.k, cache.v, layer, *blocks,
                                              written.page_ids)
     with jax.named_scope("attention"):
-        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention)[..., :cfg.head_dim]
-        attn = attn.reshape(attn.shape[0], -1)
+        windows = {"window": window} if cfg.windowed else {}
+        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention, **windows)
+        attn = attn[..., :cfg.head_dim].reshape(attn.shape[0], -1)
+    if cfg.sandwich_norms:
+        x = _sandwiched_sublayers(cfg, shards, kernels, lp, stacked, layer, project, x, attn,
+                                  norms_in, feature_major)
+        return (x, KVCache(k_pages, v_pages)), None
     mlp_norm = InputNorm(lp["mlp_norm"], cfg.rms_norm_eps)
     if kernels.out_and_mlp is not None:
         with jax.named_scope("out_and_mlp"):
@@ -377,8 +392,50 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
             gated_up = kernels.gated_up and functools.partial(
                 kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"],
                 layer=layer, x_norm=h_norm, name="gate_up")
-            x = _mlp(project, gated_up, h, shards, residual=x)
+            x = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
+
+
+def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, lp: dict,
+                          stacked: dict, layer, project: Project, x, attn, norms_in: "_NormsIn",
+                          feature_major: bool):
+    """Gemma 2's and 3's: the attention's and the MLP's outputs each RMS-normed before their
+    residual adds (so no kernel adds a residual)."""
+    with jax.named_scope("out_proj"):
+        (out,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
+                         shards)
+        x = x + _norm(cfg, out, lp["attn_out_norm"], feature_major)
+    with jax.named_scope("mlp"):
+        h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
+        gated_up = kernels.gated_up and functools.partial(
+            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
+            x_norm=h_norm, name="gate_up")
+        out = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=None)
+        return x + _norm(cfg, out, lp["mlp_out_norm"], feature_major)
+
+
+class _Ropes(NamedTuple):
+    """cos and sin of the layers without a window, and of those with one where their RoPE
+    differs (Gemma 3's base and scaling)."""
+    full: tuple
+    local: tuple | None = None
+
+    def of_layer(self, window):
+        if self.local is None:
+            return self.full
+        return tuple(jnp.where(window > 0, a, b) for a, b in zip(self.local, self.full))
+
+
+def _ropes(cfg: ModelConfig, positions, tables: Callable) -> _Ropes:
+    full = tables(_scaled(positions, cfg.rope_factor), cfg.head_dim, cfg.rope_theta)
+    if not cfg.local_rope:
+        return _Ropes(full)
+    return _Ropes(full, tables(positions, cfg.head_dim, cfg.local_rope_theta or cfg.rope_theta))
+
+
+def _scaled(positions, factor: float):
+    """Linear RoPE scaling: the positions divided by the factor (HF divides the frequencies)."""
+    return positions if factor == 1.0 else positions.astype(jnp.float32) / factor
 
 
 class _NormsIn(NamedTuple):
@@ -417,6 +474,8 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     """Final hidden states [T, H] (before the final norm) and the updated cache; under a
     shard_map when shards.tp > 1."""
     x = embed_tokens(params["embed"], batch.tokens, shards)
+    if cfg.embed_scale:  # HF casts the scale to the activations' dtype first
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     matrices = params.get("layer_matrices")
     feature_major = matrices is not None and x.shape[0] <= FEATURE_MAJOR_MAX_TOKENS
     if feature_major or not rope_kernel_applies(cfg.head_dim, cfg.qk_norm):
@@ -431,16 +490,17 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
-    cos, sin = tables(batch.positions, cfg.head_dim, cfg.rope_theta)
+    ropes = _ropes(cfg, batch.positions, tables)
     with jax.named_scope("written_pages"):
         written = _written(cfg, kernels, batch, cache)
     norms_in = _norms_in(cfg, kernels, stacked, x.shape[0])
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
-                                                      written, cos, sin, matrices, stacked,
+                                                      written, ropes, matrices, stacked,
                                                       feature_major, norms_in))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
     carry = (x.T if feature_major else x, cache)
-    (x, cache), _ = jax.lax.scan(body, carry, (layer_params, layers))
+    (x, cache), _ = jax.lax.scan(body, carry, (layer_params, layers, windows))
     return (x.T if feature_major else x), cache
 
 
@@ -474,11 +534,28 @@ def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: K
     return _TokenPages(*written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2]))
 
 
+def tpu_kernels_lack(cfg: ModelConfig) -> list[str]:
+    """The config's fields the TPU kernels do not implement yet (the XLA and reference
+    backends do)."""
+    lacking = {"norm_offset": cfg.norm_offset, "sandwich_norms": cfg.sandwich_norms,
+               "attn_softcap": cfg.attn_softcap, "final_softcap": cfg.final_softcap,
+               "layer_windows": cfg.windowed, "activation": cfg.activation != "silu"}
+    return [name for name, value in lacking.items() if value]
+
+
+def check_backend_serves(cfg: ModelConfig, backend: str) -> None:
+    """Raises ValueError naming the config's fields the backend does not implement."""
+    if backend in TPU_BACKENDS and (lacking := tpu_kernels_lack(cfg)):
+        raise ValueError(f"the {backend} kernels do not implement {cfg.family}'s "
+                         f"{', '.join(lacking)} yet; use --kernel_backend xla")
+
+
 def model_kernels(cfg: ModelConfig, backend: str, max_q_len: int,
                   sizes: BlockSizes | None) -> KernelSet:
-    """The backend's kernels, at `cfg`'s attention scale."""
-    return select_kernels(backend, sm_scale=cfg.head_dim ** -0.5, max_q_len=max_q_len,
-                          sizes=sizes)
+    """The backend's kernels, at `cfg`'s attention scale and soft-cap."""
+    check_backend_serves(cfg, backend)
+    return select_kernels(backend, sm_scale=cfg.sm_scale, max_q_len=max_q_len, sizes=sizes,
+                          softcap=cfg.attn_softcap)
 
 
 def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: ModelConfig,
@@ -509,7 +586,8 @@ def _label_logits(kernels: KernelSet, rows, params: dict, cfg: ModelConfig,
     gather = functools.partial(gather_labels, kernels.gather, rows, params["final_norm"],
                                head_weight(params), batch.label_ids, shards,
                                eps=cfg.rms_norm_eps, num_rows=batch.num_rows,
-                               num_labels=batch.num_labels)
+                               num_labels=batch.num_labels,
+                               **({"softcap": cfg.final_softcap} if cfg.final_softcap else {}))
     return jax.lax.cond(batch.with_logsumexp, lambda: gather(with_logsumexp=True),
                         lambda: (gather(with_logsumexp=False)[0],
                                  jnp.zeros(rows.shape[0], jnp.float32)))

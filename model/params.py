@@ -19,7 +19,16 @@ _LINEARS = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn
             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
             "w_down": "mlp.down_proj"}
 _NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                   "mlp_norm": "pre_feedforward_layernorm",
+                   "mlp_out_norm": "post_feedforward_layernorm"}  # Gemma 2 and 3
+NORM_VECTORS = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm")
 KV_GROUP = "w_kv"  # `grouped_kv`: [layers, 2, in, out], k's weights then v's
+
+
+def layer_norms(cfg: ModelConfig) -> dict[str, str]:
+    """The layer's norms: params name -> HF module name."""
+    return _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -27,7 +36,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     shapes = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "w_gate": (i, h),
-              "w_up": (i, h), "w_down": (h, i), "attn_norm": (h,), "mlp_norm": (h,)}
+              "w_up": (i, h), "w_down": (h, i), **{n: (h,) for n in layer_norms(cfg)}}
     if cfg.qkv_bias:
         shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
     if cfg.o_bias:
@@ -37,12 +46,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_layer_name(key: str, layer: int) -> str:
+def hf_layer_name(key: str, layer: int, cfg: ModelConfig | None = None) -> str:
     prefix = f"model.layers.{layer}."
     if key in _LINEARS:
         return prefix + _LINEARS[key] + ".weight"
-    if key in _NORMS:
-        return prefix + _NORMS[key] + ".weight"
+    norms = _NORMS if cfg is None else layer_norms(cfg)
+    if key in norms:
+        return prefix + norms[key] + ".weight"
     if key in ("q_norm", "k_norm"):
         return prefix + f"self_attn.{key}.weight"
     return prefix + _LINEARS["w" + key[1]] + ".bias"  # bq, bk, bv, bo
@@ -56,11 +66,20 @@ def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _stack(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> np.ndarray:
-    per_layer = [_checked(get, hf_layer_name(key, i), shape) for i in range(cfg.num_layers)]
+    per_layer = [_checked(get, hf_layer_name(key, i, cfg), shape)
+                 for i in range(cfg.num_layers)]
     stacked = np.stack(per_layer).astype(np.float32)
     if key in _LINEARS:
         stacked = stacked.transpose(0, 2, 1)
-    return stacked.astype(dtype)
+    return _norm_weight(cfg, stacked, dtype) if key in NORM_VECTORS else stacked.astype(dtype)
+
+
+def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:
+    """A norm's scale: w, or Gemma's (1 + w) in float32, as HF computes it whatever the
+    model's dtype (kernels.rms_norm then scales in float32)."""
+    if not cfg.norm_offset:
+        return w.astype(dtype)
+    return (w.astype(np.float32) + np.float32(cfg.norm_offset)).astype(np.float32)
 
 
 def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
@@ -72,7 +91,7 @@ def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
     params = {
         "embed": _checked(get, "model.embed_tokens.weight", (cfg.vocab_size, h)).astype(dtype),
         "layers": layers,
-        "final_norm": _checked(get, "model.norm.weight", (h,)).astype(dtype),
+        "final_norm": _norm_weight(cfg, _checked(get, "model.norm.weight", (h,)), dtype),
     }
     if cfg.is_classifier:
         params["head"] = _checked(get, "score.weight", (cfg.num_labels, h)).astype(dtype)

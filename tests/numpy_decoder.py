@@ -1,4 +1,6 @@
-"""An independent float64 NumPy implementation of the HF decoders, for one plain prompt."""
+"""An independent float64 NumPy implementation of the HF decoders, for one plain prompt:
+Llama, Qwen2, Qwen3, Mistral and Gemma 1-3, each as transformers' modeling file computes it
+(read from config.json here, not from model.config)."""
 import glob
 import json
 import os
@@ -19,13 +21,33 @@ class NumpyDecoder:
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.d = c.get("head_dim") or c["hidden_size"] // self.heads
         self.eps = c["rms_norm_eps"]
+        self.gemma = self.arch.startswith("Gemma")
+        self.sandwich = self.arch.startswith(("Gemma2", "Gemma3"))
+        self.scale = (c["query_pre_attn_scalar"] if self.sandwich else self.d) ** -0.5
+        self.windows = [self._window(i) for i in range(c["num_hidden_layers"])]
+
+    def _window(self, layer: int):
+        w = self.cfg.get("sliding_window")
+        if self.arch.startswith("Mistral"):
+            return w
+        if self.arch.startswith("Gemma2"):
+            return w if layer % 2 == 0 else None
+        if self.arch.startswith("Gemma3"):
+            return None if (layer + 1) % self.cfg.get("sliding_window_pattern", 6) == 0 else w
+        return None
 
     def _norm(self, x, w):
-        return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        scale = 1.0 + w if self.gemma else w
+        return scale * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps)
 
-    def _rope(self, x):  # x [n, heads, d], positions 0..n-1
+    def _rope(self, x, layer):  # x [n, heads, d], positions 0..n-1
         n, d = x.shape[0], self.d
-        inv = 1.0 / self.cfg["rope_theta"] ** (np.arange(0, d, 2) / d)
+        theta, factor = self.cfg["rope_theta"], 1.0
+        if self.arch.startswith("Gemma3") and self.windows[layer]:
+            theta = self.cfg["rope_local_base_freq"]
+        elif (self.cfg.get("rope_scaling") or {}).get("rope_type") == "linear":
+            factor = self.cfg["rope_scaling"]["factor"]
+        inv = 1.0 / theta ** (np.arange(0, d, 2) / d) / factor
         ang = np.arange(n)[:, None] * inv[None]
         cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
         rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
@@ -35,34 +57,53 @@ class NumpyDecoder:
         y = x @ self.t[name + ".weight"].T
         return y + self.t[name + ".bias"] if name + ".bias" in self.t else y
 
-    def _attention(self, x, p):
+    def _attention(self, x, p, layer):
         n = x.shape[0]
         q = self._lin(x, p + "q_proj").reshape(n, self.heads, self.d)
         k = self._lin(x, p + "k_proj").reshape(n, self.kv_heads, self.d)
         v = self._lin(x, p + "v_proj").reshape(n, self.kv_heads, self.d)
-        if self.arch.startswith("Qwen3"):
+        if self.arch.startswith(("Qwen3", "Gemma3")):
             q, k = self._norm(q, self.t[p + "q_norm.weight"]), self._norm(k, self.t[p + "k_norm.weight"])
-        q, k = self._rope(q), self._rope(k)
+        q, k = self._rope(q, layer), self._rope(k, layer)
         rep = self.heads // self.kv_heads
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(self.d)
-        s = np.where(np.tril(np.ones((n, n), bool))[None], s, -np.inf)
+        s = np.einsum("qhd,khd->hqk", q, k) * self.scale
+        if cap := self.cfg.get("attn_logit_softcapping"):
+            s = cap * np.tanh(s / cap)
+        qi, ki = np.arange(n)[:, None], np.arange(n)[None, :]
+        visible = ki <= qi
+        if self.windows[layer]:
+            visible &= qi - ki < self.windows[layer]
+        s = np.where(visible[None], s, -np.inf)
         pr = np.exp(s - s.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
         return self._lin(np.einsum("hqk,khd->qhd", pr, v).reshape(n, -1), p + "o_proj")
 
+    def _act(self, x):
+        if self.gemma:  # gelu_pytorch_tanh
+            return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+        return x / (1 + np.exp(-x))
+
     def last_logits(self, prompt: list[int]) -> np.ndarray:
         """Output-head logits at the last prompt token (vocabulary, or classes)."""
         x = self.t["model.embed_tokens.weight"][prompt]
+        if self.gemma:
+            x = x * np.sqrt(self.cfg["hidden_size"])
         for layer in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{layer}."
-            x = x + self._attention(self._norm(x, self.t[p + "input_layernorm.weight"]), p + "self_attn.")
-            h = self._norm(x, self.t[p + "post_attention_layernorm.weight"])
+            n = lambda y, name: self._norm(y, self.t[p + name + ".weight"])  # noqa: E731
+            a = self._attention(n(x, "input_layernorm"), p + "self_attn.", layer)
+            x = x + (n(a, "post_attention_layernorm") if self.sandwich else a)
+            h = n(x, "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm")
             gate, up = self._lin(h, p + "mlp.gate_proj"), self._lin(h, p + "mlp.up_proj")
-            x = x + self._lin(gate / (1 + np.exp(-gate)) * up, p + "mlp.down_proj")
+            m = self._lin(self._act(gate) * up, p + "mlp.down_proj")
+            x = x + (n(m, "post_feedforward_layernorm") if self.sandwich else m)
         h = self._norm(x[-1], self.t["model.norm.weight"])
         head = self.t.get("score.weight", self.t.get("lm_head.weight", self.t["model.embed_tokens.weight"]))
-        return head @ h
+        z = head @ h
+        if cap := self.cfg.get("final_logit_softcapping"):
+            z = cap * np.tanh(z / cap)
+        return z
 
     def scores(self, prompt: list[int], labels: list[int], apply_softmax: bool) -> np.ndarray:
         z = self.last_logits(prompt)

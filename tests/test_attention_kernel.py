@@ -122,6 +122,27 @@ def test_kernel_matches_reference(case, path):
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("path", ["xla", "xla_items"])
+@pytest.mark.parametrize("case", [0, 6])
+def test_xla_window_and_softcap_match_reference(case, path):
+    """A sliding window shorter than the queries, by logical position, and soft-capped scores:
+    the planned XLA loops as the reference."""
+    specs, hq, hkv, d, page, sizes, dtype = CASES[case]
+    q, k, v, md, n = random_batch(np.random.default_rng(case), specs, hq=hq, hkv=hkv, d=d,
+                                  page_size=page, dtype=dtype)
+    if path == "xla_items":
+        sizes = with_item_steps(sizes, page)
+    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, page_size=page))
+    kw = dict(sm_scale=d ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()), softcap=1.5,
+              window=jnp.int32(4))
+    with jax.default_matmul_precision("float32"):
+        got = ragged_paged_attention_xla(q, k, v, 1, md._replace(plan=plan), sizes=sizes, **kw)
+        want = ragged_paged_attention_reference(q, k, v, 1, md, **kw)
+        unwindowed = ragged_paged_attention_reference(q, k, v, 1, md, **{**kw, "window": None})
+    np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=1e-5)
+    assert np.abs(np.asarray(unwindowed)[:n] - np.asarray(want)[:n]).max() > 1e-2
+
+
 @pytest.mark.parametrize("path", ["interpret", "xla", "xla_items"])
 def test_padding_tokens_come_out_finite(path):
     """Blocks of padding only have no step; the interpreter fills memory nothing wrote with

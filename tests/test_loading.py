@@ -60,7 +60,7 @@ def test_bfloat16_params(model_dirs):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
+    ({"architectures": ["Phi3ForCausalLM"]}, "unsupported architectures"),
     ({"architectures": None}, "unsupported architectures"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
@@ -142,3 +142,4 @@ def test_dtype_auto_on_an_accelerator_is_the_checkpoints(model_dirs, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert small_config(dtype="auto").resolve_dtype(str(tmp_path), "gpu").dtype == "bfloat16"
     assert small_config(dtype="float32").resolve_dtype(str(tmp_path), "gpu").dtype == "float32"
+

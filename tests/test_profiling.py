@@ -378,8 +378,8 @@ def test_random_checkpoint_of_each_sized_model_has_its_config(tmp_path):
     from model.config import config_from_hf
     from model.loader import load_model
     from profiling.random_checkpoint import config_json, write_checkpoint
-    from profiling.v6e.compile import SIZED_MODELS
-    for cfg in SIZED_MODELS.values():
+    from profiling.v6e.compile import SIZED_MODELS, WINDOWED_MODELS
+    for cfg in (*SIZED_MODELS.values(), *WINDOWED_MODELS.values()):
         assert config_from_hf(config_json(cfg)) == cfg
     small = dataclasses.replace(SIZED_MODELS["Qwen3-0.6B"], vocab_size=512, hidden_size=64,
                                 intermediate_size=96, num_layers=2, num_heads=4,

@@ -50,7 +50,7 @@ def test_references_are_the_models_xla_path(dtype):
     got = model(x, (("wk", "bk"), ("wv", "bv")), "project_kv")
     for g, w in zip(got, project_reference(x, (wk, wv), (bk, bv))):
         np.testing.assert_array_equal(_f32(g), _f32(w))
-    mlp = decoder._mlp(model, None, x, ShardPlan(), residual=x)
+    mlp = decoder._mlp(decoder.silu, model, None, x, ShardPlan(), residual=x)
     want = project_reference(gated_up_reference(x, gate, up), (down,), residual=x)[0]
     np.testing.assert_array_equal(_f32(mlp), _f32(want))
 

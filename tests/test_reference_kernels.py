@@ -28,7 +28,12 @@ def ragged_case(rng):
     return seqs, np.array(tables + [[0, 0, 0]], np.int32)  # plus one padding sequence
 
 
-def naive_attention(q, k_pages, v_pages, seqs, tables, layer):
+def logical(pos, prefix, vis):
+    """A position as if the token's item followed the query directly (its own run alone)."""
+    return pos if pos < prefix else prefix + (pos - vis)
+
+
+def naive_attention(q, k_pages, v_pages, seqs, tables, layer, window=0, softcap=0.0):
     out, t = [], 0
     for s, table in zip(seqs, tables):
         kv = np.arange(s["kv_len"])
@@ -37,15 +42,24 @@ def naive_attention(q, k_pages, v_pages, seqs, tables, layer):
         for i in range(s["q_len"]):
             pos = s["kv_len"] - s["q_len"] + i
             seen = (kv <= pos) & ((kv < s["prefix"]) | (kv >= s["vis"][i]))
+            if window:
+                me = logical(pos, s["prefix"], s["vis"][i])
+                seen &= np.array([me - logical(j, s["prefix"], s["vis"][i]) < window
+                                  for j in kv])
             for h in range(HQ):
                 logits = k[h // (HQ // HKV)][seen] @ q[t, h] / np.sqrt(D)
+                if softcap:
+                    logits = softcap * np.tanh(logits / softcap)
                 p = np.exp(logits - logits.max())
                 out.append((p / p.sum()) @ v[h // (HQ // HKV)][seen])
             t += 1
     return np.array(out).reshape(t, HQ, D)
 
 
-def test_attention_reference_matches_mask_rule():
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (3, 0.0), (2, 1.5)])
+def test_attention_reference_matches_mask_rule(window, softcap):
+    """The multi-item mask; a sliding window by logical position (an item's tokens see the
+    query's last keys as if the item followed it); soft-capped scores."""
     rng = np.random.default_rng(0)
     seqs, tables = ragged_case(rng)
     k_pages = rng.standard_normal((LAYERS, HKV, PAGES, PAGE, D)).astype(np.float32)
@@ -58,8 +72,9 @@ def test_attention_reference_matches_mask_rule():
         page_indices=jnp.asarray(tables), shared_lens=jnp.array([s["prefix"] for s in seqs] + [0]),
         visible_from=jnp.array(sum((s["vis"] for s in seqs), []) + [0] * 3))
     got = ragged_paged_attention_reference(jnp.asarray(q), k_pages, v_pages, 1, md,
-                                           sm_scale=D ** -0.5, max_q_len=16, q_block=8)
-    want = naive_attention(q, k_pages, v_pages, seqs, tables, layer=1)
+                                           sm_scale=D ** -0.5, max_q_len=16, q_block=8,
+                                           softcap=softcap, window=jnp.int32(window))
+    want = naive_attention(q, k_pages, v_pages, seqs, tables, 1, window, softcap)
     np.testing.assert_allclose(np.asarray(got)[:n_tokens], want, atol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
 

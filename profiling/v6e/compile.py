@@ -41,6 +41,20 @@ LARGE_MODELS = {
     "Qwen3-8B": ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, 40960),
 }
 STUDY_MODELS = {**SIZED_MODELS, **LARGE_MODELS}
+_GEMMA = dict(tie_word_embeddings=True, norm_offset=1.0, embed_scale=True,
+              activation="gelu_tanh", sandwich_norms=True, query_scale=256.0)
+# Families the TPU kernels do not serve yet (model.decoder.tpu_kernels_lack): their sizes, for
+# random checkpoints (profiling.random_checkpoint) and CPU and GPU timing.
+WINDOWED_MODELS = {
+    "Gemma-2-2B": ModelConfig("gemma2", 256000, 2304, 9216, 26, 8, 4, 256, 10000.0, 1e-6, 8192,
+                              attn_softcap=50.0, final_softcap=30.0,
+                              layer_windows=tuple(4096 * (i % 2 == 0) for i in range(26)),
+                              **_GEMMA),
+    "Gemma-3-1B": ModelConfig("gemma3", 262144, 1152, 6912, 26, 4, 1, 256, 1e6, 1e-6, 32768,
+                              local_rope_theta=10000.0,
+                              layer_windows=tuple(512 * ((i + 1) % 6 != 0) for i in range(26)),
+                              **_GEMMA),
+}
 
 
 def v6e_devices(chips: int = 1) -> list:
