@@ -28,6 +28,17 @@ def embedded_model_path() -> str:
     return path
 
 
+def model_name(path: str | None) -> str:
+    """The name a model is served under by default: its checkpoint directory's, or its GGUF
+    file's without the quantization (the embedded model: SmolLM2-135M-Instruct)."""
+    path = path or embedded_model_path()
+    name = os.path.basename(os.path.normpath(path))
+    if _is_gguf(path):
+        name = name.removesuffix(".gguf")
+        name = name.rsplit(".", 1)[0] if "." in name else name  # ".Q4_1"
+    return name
+
+
 def _is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 

@@ -36,7 +36,7 @@ def hf_relevance(model_dir: str, classes: int) -> list[float]:
     tok = PreTrainedTokenizerFast(tokenizer_file=f"{model_dir}/tokenizer.json")
     kind = AutoModelForSequenceClassification if classes else AutoModelForCausalLM
     model = kind.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prefix, suffix = (tok.encode(s, add_special_tokens=False) for s in (t.prefix, t.suffix))
+    prefix, suffix = (tok.encode(s[0], add_special_tokens=False) for s in (t.prefix, t.suffix))
     out = []
     for doc in DOCUMENTS:
         body = f"<Instruct>: {t.default_instruct}\n<Query>: {QUERY}\n<Document>: {doc}"

@@ -148,12 +148,13 @@ class Engine:
                                  f"maximum of {self.max_prompt_tokens}")
         unique = {}  # a document's prompt -> its row: equal documents are scored once, alike
         rows = [unique.setdefault(tuple(item), len(unique)) for item in packed.items]
-        scored = self.submit(ScoreRequest(packed.query, [list(item) for item in unique],
-                                          self.reranker.label_ids,
-                                          apply_softmax=not self.cfg.is_classifier,
-                                          model=req.model))
-        relevances = lambda result: [relevance(result.scores[row],  # noqa: E731
-                                               self.cfg.is_classifier) for row in rows]
+        form = self.reranker.template.score
+        scored = self.submit(ScoreRequest(
+            packed.query, [list(item) for item in unique], self.reranker.label_ids,
+            apply_softmax=not self.cfg.is_classifier and form == "softmax", model=req.model,
+            raw_logits=form != "softmax"))
+        relevances = lambda result: [relevance(  # noqa: E731
+            result.scores[row], self.cfg.is_classifier, form, req.normalize) for row in rows]
         return _then(scored, lambda result: RerankResult(ranking(relevances(result), req.top_n),
                                                          result.prompt_tokens))
 
@@ -176,7 +177,9 @@ class Engine:
         with jax.profiler.TraceAnnotation("tokenize"):
             query, items = self._tokenize(req)
         parts = self._sequences(req, query, items) if items else []
-        job = Job(labels, len(items), len(parts), req.apply_softmax, self.cfg.is_classifier)
+        kind = ("label_softmax" if req.apply_softmax else
+                "logits" if self.cfg.is_classifier or req.raw_logits else "vocab_probs")
+        job = Job(labels, len(items), len(parts), kind)
         return job, [Unit(job, seq, scored) for seq, scored in parts], self._routing_key(req, query)
 
     def _start_ids(self, req: ScoreRequest) -> list[int]:

@@ -14,13 +14,16 @@ class ScoreResult:
     prompt_tokens: int  # tokens of the sequences scored (cached or computed)
 
 
-def label_scores(logits: np.ndarray, lse: np.ndarray, apply_softmax: bool,
-                 is_classifier: bool) -> np.ndarray:
-    """CONTRACT §3: softmax over the labels, raw classifier logits, or full-vocabulary probs."""
-    if apply_softmax:
+SCORE_KINDS = ("label_softmax", "logits", "vocab_probs")
+
+
+def label_scores(logits: np.ndarray, lse: np.ndarray, kind: str) -> np.ndarray:
+    """CONTRACT §3: softmax over the labels, raw logits (a classifier's; a rerank template's
+    that scores by them), or full-vocabulary probabilities."""
+    if kind == "label_softmax":
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
-    if is_classifier:
+    if kind == "logits":
         return logits
     return np.exp(logits - lse[:, None])
 
@@ -31,12 +34,13 @@ class Job:
     labels: list[int]
     n_items: int
     n_units: int
-    apply_softmax: bool
-    is_classifier: bool
+    kind: str  # of SCORE_KINDS
     future: concurrent.futures.Future = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
     def __post_init__(self):
+        if self.kind not in SCORE_KINDS:
+            raise ValueError(f"a job's scores are one of {SCORE_KINDS}, not {self.kind!r}")
         self.logits = np.zeros((self.n_items, len(self.labels)))
         self.lse = np.zeros(self.n_items)
         self._pending, self._prompt_tokens = self.n_units, 0
@@ -45,7 +49,7 @@ class Job:
 
     @property
     def with_lse(self) -> bool:
-        return not self.apply_softmax and not self.is_classifier
+        return self.kind == "vocab_probs"
 
     @property
     def active(self) -> bool:
@@ -61,7 +65,7 @@ class Job:
             self._answer()
 
     def _answer(self) -> None:
-        scores = label_scores(self.logits, self.lse, self.apply_softmax, self.is_classifier)
+        scores = label_scores(self.logits, self.lse, self.kind)
         self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(), self._prompt_tokens)))
 
     def fail(self, error: ScoreError) -> None:

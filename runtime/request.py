@@ -15,6 +15,7 @@ class ScoreRequest:
     apply_softmax: bool = False
     item_first: bool = False
     model: str = "default"
+    raw_logits: bool = False  # the labels' logits themselves (a rerank template's); not HTTP's
 
     @property
     def is_text(self) -> bool:
@@ -83,6 +84,7 @@ class RerankRequest:
     instruct: str | None = None          # None: the rerank template's default
     max_tokens_per_doc: int | None = None
     model: str = "default"
+    normalize: bool = False              # a raw-logit template's score as its sigmoid
 
 
 def parse_rerank_request(body) -> RerankRequest:
@@ -102,7 +104,8 @@ def parse_rerank_request(body) -> RerankRequest:
         raise ScoreError("instruct must be a string")
     return RerankRequest(body["query"], [_document(d, k) for k, d in enumerate(body["documents"])],
                          _count(body, "top_n"), _flag(body, "return_documents", True), instruct,
-                         _count(body, "max_tokens_per_doc"), _model(body))
+                         _count(body, "max_tokens_per_doc"), _model(body),
+                         _flag(body, "normalize", False))
 
 
 def _document(doc, k: int) -> str:

@@ -13,7 +13,8 @@ from runtime.engine import Engine
 from server import engine_flags
 from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
 from server.app import ScoreServer, ServerConfig
-from server.engine_flags import define_engine_flags, start_engine
+from model.loader import embedded_model_path
+from server.engine_flags import define_engine_flags, served_model_name, start_engine
 from server.http import Limits
 
 FLAGS = flags.FLAGS
@@ -49,7 +50,8 @@ def server_config() -> ServerConfig:
     limits = Limits(max_head_bytes=FLAGS.max_head_bytes, max_body_bytes=FLAGS.max_body_bytes,
                     idle_timeout_s=FLAGS.idle_timeout_s, header_timeout_s=FLAGS.header_timeout_s,
                     body_timeout_s=FLAGS.body_timeout_s, send_timeout_s=FLAGS.send_timeout_s)
-    return ServerConfig(model_name=FLAGS.model_path or "default", limits=limits,
+    return ServerConfig(model_name=served_model_name(),
+                        model_path=FLAGS.model_path or embedded_model_path(), limits=limits,
                         max_connections=FLAGS.max_connections, max_pending=FLAGS.max_pending,
                         access_log=FLAGS.access_log, trace_dir=FLAGS.trace_dir,
                         access=access_policy())
@@ -70,9 +72,8 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
     logging.info("%s", server.describe_routes())
-    logging.info("serving %s: %s, on http://%s:%d",
-                 FLAGS.model_path or "SmolLM2-135M (embedded)", engine.describe(), FLAGS.host,
-                 port)
+    logging.info("serving %s: %s, on http://%s:%d", served_model_name(), engine.describe(),
+                 FLAGS.host, port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

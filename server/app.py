@@ -37,7 +37,8 @@ from server.profiler import Profiler
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    model_name: str = "default"
+    model_name: str = "default"   # in /v1/models and every response (--served-model-name)
+    model_path: str = ""          # what /get_model_info reports
     limits: Limits = Limits()
     max_connections: int = 1024  # open connections; beyond, each request gets a 503
     max_pending: int = 256       # score requests queued or running; beyond, 503
@@ -216,13 +217,15 @@ class ScoreServer:
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
         result = await self._queued(self.engine.submit, score_req, gone)
-        return Answer(200, score_response(score_req, result), [], len(result.scores))
+        return Answer(200, score_response(score_req, result, self.config.model_name), [],
+                      len(result.scores))
 
     async def _rerank(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
             rerank_req = parse_rerank_request(parse_json(req.body))
         result = await self._queued(self.engine.submit_rerank, rerank_req, gone)
-        return Answer(200, rerank_response(rerank_req, result), [], len(rerank_req.documents))
+        return Answer(200, rerank_response(rerank_req, result, self.config.model_name), [],
+                      len(rerank_req.documents))
 
     async def _queued(self, submit, request, gone):
         """`submit(request)`'s result, unless the server is saturated (503) or the client goes
@@ -275,7 +278,7 @@ class ScoreServer:
 
     async def _model_info(self, req: Request, gone) -> dict:
         cfg = self.engine.cfg
-        return {"model_path": self.config.model_name, "is_generation": not cfg.is_classifier,
+        return {"model_path": self.config.model_path, "is_generation": not cfg.is_classifier,
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
@@ -285,18 +288,19 @@ class ScoreServer:
                 "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}
 
 
-def score_response(req: ScoreRequest, result: ScoreResult) -> dict:
-    """SGLang's /v1/score response body."""
+def score_response(req: ScoreRequest, result: ScoreResult, model: str) -> dict:
+    """SGLang's /v1/score response body; `model`: the served model's name."""
     n = result.prompt_tokens
-    return {"scores": result.scores, "model": req.model, "object": "scoring",
+    return {"scores": result.scores, "model": model, "object": "scoring",
             "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
-def rerank_response(req: RerankRequest, result: RerankResult) -> dict:
-    """Cohere's and Jina's response body: the results most relevant first."""
+def rerank_response(req: RerankRequest, result: RerankResult, model: str) -> dict:
+    """Cohere's and Jina's response body: the results most relevant first; `model`: the
+    served model's name."""
     results = [{"index": k, "relevance_score": score,
                 **({"document": {"text": req.documents[k]}} if req.return_documents else {})}
                for k, score in result.ranking]
     n = result.prompt_tokens
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": req.model, "results": results,
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
             "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -26,7 +26,12 @@ from server.batch_job import (
     run_job,
 )
 from server.batch_ray import run_ray_job, shards
-from server.engine_flags import define_engine_flags, engine_config, start_engine
+from server.engine_flags import (
+    define_engine_flags,
+    engine_config,
+    served_model_name,
+    start_engine,
+)
 
 FLAGS = flags.FLAGS
 
@@ -104,7 +109,8 @@ def run_on_ray() -> None:
         "num_cpus": max(os.cpu_count() or 1, FLAGS.ray_actors + 1)}))
     counts = run_ray_job(shards(inputs, FLAGS.output, FLAGS.ray_lines_per_shard),
                          FLAGS.model_path, engine_config(), FLAGS.ray_actors,
-                         FLAGS.max_in_flight, resources, FLAGS.compile_cache_dir)
+                         FLAGS.max_in_flight, resources, FLAGS.compile_cache_dir,
+                         served_model_name())
     logging.info("%d shards: %d results written (%d failed, %d items) under %s", len(counts),
                  sum(c["requests"] for c in counts), sum(c["failed"] for c in counts),
                  sum(c["items"] for c in counts), FLAGS.output)
@@ -127,7 +133,7 @@ def run_logged(log: ResultLog, total: int, read) -> None:
     input's lines."""
     engine = start_engine()
     try:
-        job_routes = routes(engine)
+        job_routes = routes(engine, served_model_name())
         progress = Progress(total, log.written)
         lines = read(FLAGS.input, job_routes)
         start = time.perf_counter()

@@ -10,6 +10,7 @@ input order; `id` names the input line (`batch_req_<n>`, from 0).
 """
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -44,11 +45,13 @@ class Route:
     items: Callable      # request -> items it scores
 
 
-def routes(engine: Engine) -> dict[str, Route]:
-    """The HTTP server's scoring routes, on `engine`."""
+def routes(engine: Engine, model_name: str) -> dict[str, Route]:
+    """The HTTP server's scoring routes, on `engine`, answering as `model_name`."""
     score = Route(lambda body: parse_score_request(body, not engine.cfg.is_classifier),
-                  engine.submit, score_response, lambda req: len(req.items))
-    rerank = Route(parse_rerank_request, engine.submit_rerank, rerank_response,
+                  engine.submit, functools.partial(score_response, model=model_name),
+                  lambda req: len(req.items))
+    rerank = Route(parse_rerank_request, engine.submit_rerank,
+                   functools.partial(rerank_response, model=model_name),
                    lambda req: len(req.documents))
     return {"/v1/score": score, **{path: rerank for path in RERANK_ROUTES}}
 

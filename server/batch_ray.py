@@ -9,6 +9,7 @@ the shards on the actors and restarts an actor that dies.
 import dataclasses
 import os
 
+from model.loader import model_name
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from server.batch_job import ResultLog, jsonl_lines, routes, run_job
@@ -45,10 +46,11 @@ class ShardRunner:
     file."""
 
     def __init__(self, model_path: str | None, engine_cfg: EngineConfig, max_in_flight: int,
-                 compile_cache_dir: str = ""):
+                 compile_cache_dir: str = "", served_name: str = ""):
         use_compile_cache(compile_cache_dir)
         self.engine = Engine.from_path(model_path, engine_cfg)
-        self.routes, self.max_in_flight = routes(self.engine), max_in_flight
+        self.routes = routes(self.engine, served_name or model_name(model_path))
+        self.max_in_flight = max_in_flight
 
     def __call__(self, batch: dict) -> dict:
         counts = {"output": [], "requests": [], "items": [], "failed": []}
@@ -66,7 +68,7 @@ class ShardRunner:
 
 def run_ray_job(all_shards: list[Shard], model_path: str | None, engine_cfg: EngineConfig,
                 actors: int, max_in_flight: int, actor_resources: dict | None = None,
-                compile_cache_dir: str = "") -> list:
+                compile_cache_dir: str = "", served_name: str = "") -> list:
     """Every shard, on `actors` engine actors of Ray's cluster (ray.init() first; each actor
     asks a CPU and `actor_resources`, e.g. {"TPU": 4} for a v6e host's chips); the shards'
     counts."""
@@ -75,5 +77,6 @@ def run_ray_job(all_shards: list[Shard], model_path: str | None, engine_cfg: Eng
             for s in all_shards]
     return ray.data.from_items(rows).repartition(len(rows)).map_batches(
         ShardRunner, batch_size=1, concurrency=actors,
-        fn_constructor_args=(model_path, engine_cfg, max_in_flight, compile_cache_dir),
+        fn_constructor_args=(model_path, engine_cfg, max_in_flight, compile_cache_dir,
+                             served_name),
         num_cpus=1, resources=actor_resources or None).take_all()

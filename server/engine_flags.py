@@ -6,6 +6,7 @@ import jax
 from absl import app, flags, logging
 
 from kernels.backends import KERNEL_BACKENDS
+from model.loader import model_name
 from runtime.distributed import DistConfig
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
@@ -22,6 +23,8 @@ def default_compile_cache_dir() -> str:
 def define_engine_flags() -> None:
     flags.DEFINE_string("model_path", None, "HF checkpoint directory or .gguf file; "
                         "default: the embedded SmolLM2-135M-Instruct")
+    flags.DEFINE_string("served_model_name", None, "the model's name in /v1/models and in "
+                        "every response; default: the checkpoint directory's (or GGUF file's)")
     flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "weights, activations "
                       "and KV; auto: float32 on CPU, the checkpoint's dtype on accelerators "
                       "(bfloat16 unless it is stored in float32). float32 multiplies in "
@@ -32,9 +35,10 @@ def define_engine_flags() -> None:
     flags.DEFINE_integer("max_rows", 256, "scored items in one forward pass")
     flags.DEFINE_integer("max_labels", 64, "label_token_ids of one request")
     flags.DEFINE_string("rerank_template", "", "the prompt /v1/rerank scores: a built-in "
-                        "template's name (qwen3-reranker) or a JSON file of prefix, body, "
-                        "suffix, labels and default_instruct; default: qwen3-reranker where "
-                        "the vocabulary holds its labels, else reranking is off")
+                        "template's name (qwen3-reranker, bge-reranker-v2-gemma, "
+                        "mxbai-rerank-v2) or a JSON file of prefix, body, suffix, labels, "
+                        "score and default_instruct; default: qwen3-reranker where the "
+                        "vocabulary holds its labels, else reranking is off")
     flags.DEFINE_integer("kv_cache_tokens", 0, "KV pool size in tokens; 0: --mem-fraction of "
                          "free accelerator memory (4 batches on CPU)")
     flags.DEFINE_float("mem_fraction", 0.8, "share of accelerator memory for params and KV")
@@ -89,6 +93,10 @@ def use_compile_cache(path: str) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.join(path, "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         logging.info("compilation cache: %s", path)
+
+
+def served_model_name() -> str:
+    return FLAGS.served_model_name or model_name(FLAGS.model_path)
 
 
 def start_engine() -> Engine:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from runtime.engine import Engine
+from server.app import ServerConfig
 from server.batch import Progress
 from server.batch_job import (
     Counts,
@@ -51,7 +52,7 @@ def run(engine, tmp_path, lines: list[str], max_in_flight=8) -> tuple[list[dict]
     tmp_path.mkdir(exist_ok=True)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(line + "\n" for line in lines))
-    job_routes = routes(engine)
+    job_routes = routes(engine, "tiny")
     with ResultLog(str(out)) as log:
         counts = run_job(jsonl_lines(str(src), job_routes), log, job_routes, max_in_flight)
     return [json.loads(line) for line in out.read_text().splitlines()], counts
@@ -73,7 +74,7 @@ def test_results_are_what_the_http_routes_answer(engine, tmp_path):
     got = by_line(results)
     assert sorted(got) == list(range(len(bodies))) and counts.failed == 0
     assert counts.items == 2 + 2 + 2 + 2 + 2
-    with serving(engine) as port:
+    with serving(engine, ServerConfig(model_name="tiny")) as port:
         for k, (url, body) in enumerate(bodies):
             status, want, _ = call(port, "POST", url, body)
             answer = got[k]["response"]
@@ -187,7 +188,7 @@ def test_parquet_rows_are_score_requests(engine, tmp_path):
     path = tmp_path / "in.parquet"
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path, row_group_size=2)
     with ResultLog(str(tmp_path / "out.jsonl")) as log:
-        counts = run_job(parquet_rows(str(path)), log, routes(engine), 4)
+        counts = run_job(parquet_rows(str(path)), log, routes(engine, "tiny"), 4)
     got = by_line([json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()])
     want, _ = run(engine, tmp_path / "jsonl", [request(str(k), "/v1/score", row)
                                                 for k, row in enumerate(rows)])

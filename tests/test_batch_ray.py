@@ -53,7 +53,7 @@ def test_ray_job_equals_the_single_process_job_and_resumes(ray_cluster, tmp_path
 
     engine = Engine.from_path(checkpoint, cfg)
     try:
-        job_routes = routes(engine)
+        job_routes = routes(engine, "tiny")
         for path in inputs:  # a result file per input file: each counts its own lines
             with ResultLog(path + ".alone") as log:
                 run_job(jsonl_lines(path, job_routes), log, job_routes, 8)

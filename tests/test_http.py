@@ -17,7 +17,8 @@ from tests.tiny_models import VOCAB
 
 @pytest.fixture(scope="module")
 def port(engines):
-    with serving(engines["llama"], ServerConfig(limits=Limits(max_body_bytes=1 << 16))) as p:
+    with serving(engines["llama"], ServerConfig(model_name="tiny-llama", model_path="/m/tiny",
+                                                limits=Limits(max_body_bytes=1 << 16))) as p:
         yield p
 
 
@@ -75,7 +76,7 @@ def test_score_response_shape_and_usage(port, engines):
     status, payload, _ = call(port, "POST", "/v1/score", {**OK, "model": "my-model"})
     assert status == 200
     direct = engines["llama"].score(OK["query"], OK["items"], OK["label_token_ids"])
-    assert payload["model"] == "my-model" and payload["object"] == "scoring"
+    assert payload["model"] == "tiny-llama" and payload["object"] == "scoring"
     assert_scores_close(payload["scores"], direct.scores)  # direct: query KV from the cache
     n = direct.prompt_tokens
     assert n == len(engines["llama"].tokenizer.encode(OK["query"])) + 1 + sum(
@@ -125,8 +126,10 @@ def test_info_endpoints(port):
     assert call(port, "GET", "/health")[:2] == (200, {"status": "ok"})
     _, models, _ = call(port, "GET", "/v1/models")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["id"] == "tiny-llama"  # the served name, as every response's
     _, info, _ = call(port, "GET", "/get_model_info")
     assert info["is_generation"] is True and info["vocab_size"] == VOCAB
+    assert info["model_path"] == "/m/tiny"
 
 
 def test_compilations_are_reported_in_info_and_metrics(port, engines):

@@ -56,14 +56,14 @@ def card_recipe(model_dir: str, query: str, document: str) -> list[int]:
     t = BUILT_IN[QWEN3_RERANKER]
     body = (f"<Instruct>: {t.default_instruct}\n<Query>: {query}\n<Document>: {document}")
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
-    return encode(t.prefix) + tok.encode(body).ids + encode(t.suffix)
+    return encode(t.prefix[0]) + tok.encode(body).ids + encode(t.suffix[0])
 
 
 def test_response_is_cohere_shaped_and_scores_the_model_card_recipe(port, checkpoints):
     status, payload = rerank(port, {"query": QUERY, "documents": DOCUMENTS, "model": "m"})
     assert status == 200, payload
     assert set(payload) == {"id", "model", "results", "usage"}
-    assert payload["id"].startswith("rerank-") and payload["model"] == "m"
+    assert payload["id"].startswith("rerank-") and payload["model"] == "default"
     results = payload["results"]
     assert sorted(r["index"] for r in results) == list(range(len(DOCUMENTS)))
     for r in results:

@@ -143,3 +143,14 @@ def test_dtype_auto_on_an_accelerator_is_the_checkpoints(model_dirs, tmp_path):
     assert small_config(dtype="auto").resolve_dtype(str(tmp_path), "gpu").dtype == "bfloat16"
     assert small_config(dtype="float32").resolve_dtype(str(tmp_path), "gpu").dtype == "float32"
 
+
+def test_a_model_is_served_under_its_checkpoints_name(model_dirs, tmp_path):
+    """--served-model-name's default: the directory's name, a GGUF file's without its
+    quantization, the embedded model's (as SGLang and vLLM name it)."""
+    from model.loader import model_name
+    assert model_name(model_dirs["qwen3"]) == "qwen3"
+    assert model_name(model_dirs["qwen3"] + "/") == "qwen3"
+    assert model_name(None) == "SmolLM2-135M-Instruct"
+    gguf = tmp_path / "gemma-2-2b-it.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_name(str(gguf)) == "gemma-2-2b-it"

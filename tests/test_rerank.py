@@ -9,7 +9,7 @@ import math
 import pytest
 import tokenizers
 from gguf import GGUFReader
-from tokenizers import models
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from model.config import ModelConfig
 from model.gguf_loader import gguf_tokenizer
@@ -19,7 +19,9 @@ from runtime.engine import Engine, _reranker, _then
 from runtime.engine_config import EngineConfig
 from runtime.errors import ScoreError
 from runtime.rerank import (
+    BGE_RERANKER_GEMMA,
     BUILT_IN,
+    MXBAI_RERANK_V2,
     QWEN3_RERANKER,
     Reranker,
     RerankTemplate,
@@ -107,7 +109,11 @@ def test_a_template_file_is_read_and_checked(tmp_path):
            ({**fields, "body": "{query} {doc} {doc}"}, "{doc}"),
            ({k: v for k, v in fields.items() if k != "suffix"}, "'suffix' is missing"),
            ({**fields, "labels": "yes"}, "'labels' must be a list"),
-           ({**fields, "labels": ["yes"]}, "two label strings"),
+           ({**fields, "labels": ["yes"]}, "needs 2 label strings"),
+           ({**fields, "score": "logit", "labels": ["a", "b", "c"]}, "1 or 2 label strings"),
+           ({**fields, "score": "probit"}, "score is one of"),
+           ({**fields, "body": ["Q: {query} D: {do", "c}"]}, "split across"),
+           ({**fields, "body_specials": "no"}, "true or false"),
            ({**fields, "prefix": 3}, "'prefix' must be a string"),
            ({**fields, "colour": "red"}, "JSON object of"),
            ([1, 2], "JSON object of")]
@@ -130,6 +136,13 @@ def test_ranking_is_by_relevance_then_index():
 
 def test_relevance_of_label_probabilities_and_classifier_logits():
     assert relevance([0.75, 0.25], is_classifier=False) == 0.75
+    assert relevance([2.5], False, "logit") == 2.5  # one label's raw logit
+    assert relevance([2.5, 4.0], False, "logit") == -1.5  # the difference of two
+    assert relevance([math.log(3)], False, "sigmoid") == pytest.approx(0.75)
+    assert relevance([1.0, 1.0 - math.log(3)], False, "logit", normalize=True) == (
+        pytest.approx(0.75))
+    assert relevance([0.75, 0.25], False, "softmax", normalize=True) == 0.75
+    assert relevance([-1000.0], False, "sigmoid") == 0.0  # no overflow
     assert relevance([0.0], is_classifier=True) == 0.5
     assert relevance([math.log(3)], is_classifier=True) == pytest.approx(0.75)
     assert relevance([1.0, 1.0 + math.log(3)], is_classifier=True) == pytest.approx(0.75)
@@ -202,3 +215,88 @@ def test_a_rerank_future_follows_its_score_future():
     source = concurrent.futures.Future()
     _then(source, lambda x: x).cancel()
     assert source.cancelled()
+
+
+def gemma_like_tokenizer() -> TextTokenizer:
+    """A byte-level BPE with Gemma's <bos> put before a text, and "Yes" one token."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>", "<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["Yes", "No", "A: what is a panda?", "B: a bear"] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    return TextTokenizer(tok)
+
+
+@pytest.mark.parametrize("instruct", [None, "Find the answer"])
+def test_bge_reranker_gemma_prompt_is_its_model_cards_tokens(instruct):
+    """BAAI/bge-reranker-v2-gemma's get_inputs: [bos] + tok("A: " + query) + tok("\\n") +
+    tok("B: " + passage) + tok("\\n") + tok(prompt), each without special tokens; scored by
+    the logit of "Yes" (there is no instruct: one given changes nothing)."""
+    tok = gemma_like_tokenizer()
+    bge = Reranker(load_template(BGE_RERANKER_GEMMA), tok)
+    prompt = ("Given a query A and a passage B, determine whether the passage contains an answer "
+              "to the query by providing a prediction of either 'Yes' or 'No'.")
+    query = "what is panda?"
+    for passage in DOCUMENTS:
+        want = ([tok.token_id("<bos>")] + tok.encode(f"A: {query}") + tok.encode("\n")
+                + tok.encode(f"B: {passage}") + tok.encode("\n") + tok.encode(prompt))
+        assert bge.prompt(query, passage, instruct) == want
+    packed = bge.pack(query, DOCUMENTS, instruct)
+    assert [packed.query + item for item in packed.items] == [
+        bge.prompt(query, d) for d in DOCUMENTS]
+    assert bge.label_ids == [tok.token_id("Yes")] == tok.encode("Yes")[:1]
+    assert bge.template.score == "logit"
+
+
+@pytest.mark.parametrize("instruct", [None, "Find the answer"])
+def test_mxbai_rerank_v2_prompt_is_its_codes_tokens(tokenizer, instruct):
+    """mixedbread-ai's MxbaiRerankV2.prepare_inputs: tok(chat prefix) + tok(query prompt, with
+    "instruction: ...\\n" before it where given) + tok("\\n") + tok("document: " + doc) +
+    tok("\\n") + tok(task prompt) + tok(chat suffix), each without special tokens; scored by
+    logit("1") - logit("0")."""
+    mxbai = Reranker(load_template(MXBAI_RERANK_V2), tokenizer)
+    prefix = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+              "assistant.<|im_end|>\n<|im_start|>user\n")
+    task = ("You are a search relevance expert who evaluates how well documents match search "
+            "queries. For each query-document pair, carefully analyze the semantic relationship "
+            "between them, then provide your binary relevance judgment (0 for not relevant, 1 "
+            "for relevant).\nRelevance:")
+    suffix = "<|im_end|>\n<|im_start|>assistant\n"
+    query = "what is panda?"
+    query_prompt = f"query: {query}"
+    if instruct:
+        query_prompt = "".join([f"instruction: {instruct}", "\n", query_prompt])
+    for doc in DOCUMENTS:
+        want = (tokenizer.encode(prefix) + tokenizer.encode(query_prompt)
+                + tokenizer.encode("\n") + tokenizer.encode(f"document: {doc}")
+                + tokenizer.encode("\n") + tokenizer.encode(task) + tokenizer.encode(suffix))
+        assert mxbai.prompt(query, doc, instruct) == want
+    packed = mxbai.pack(query, DOCUMENTS, instruct)
+    assert [packed.query + item for item in packed.items] == [
+        mxbai.prompt(query, d, instruct) for d in DOCUMENTS]
+    assert mxbai.label_ids == [tokenizer.token_id("1"), tokenizer.token_id("0")]
+
+
+def test_a_raw_logit_template_ranks_by_the_labels_logits(smollm):
+    """mxbai's form on the embedded model (it has "1" and "0"): a document's relevance is
+    logit("1") - logit("0") of its prompt scored alone, its sigmoid with `normalize`."""
+    engine = Engine.from_path(None, EngineConfig(max_prefill_tokens=256, warmup=False,
+                                                 rerank_template=MXBAI_RERANK_V2))
+    try:
+        query, documents = "What do giant pandas eat?", ["Bamboo.", "Paris is in France."]
+        raw = dict(engine.rerank(query, documents).ranking)
+        body = {"query": query, "documents": documents, "normalize": True}
+        from runtime.request import parse_rerank_request
+        normalized = dict(engine.submit_rerank(parse_rerank_request(body)).result().ranking)
+        ones_zeros = engine.reranker.label_ids
+        for k, doc in enumerate(documents):
+            prompt = engine.reranker.prompt(query, doc)
+            p1, p0 = smollm.score(prompt[:-1], [prompt[-1:]], ones_zeros).scores[0]
+            assert raw[k] == pytest.approx(math.log(p1) - math.log(p0), abs=1e-4)
+            assert normalized[k] == pytest.approx(1 / (1 + math.exp(-raw[k])), abs=1e-9)
+    finally:
+        engine.close()

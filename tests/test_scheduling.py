@@ -14,7 +14,7 @@ from tests.tiny_models import small_config
 
 
 def job_with_units(name: str, n: int) -> tuple[Job, list[Unit]]:
-    job = Job(labels=[1], n_items=n, n_units=n, apply_softmax=True, is_classifier=False)
+    job = Job(labels=[1], n_items=n, n_units=n, kind="label_softmax")
     return job, [Unit(job, seq=f"{name}{k}", items=range(k, k + 1)) for k in range(n)]
 
 
