@@ -18,6 +18,11 @@ positions below its `kv_split`, the query's L, and item steps cover the rest: pe
 past L, page-aligned. A row of short items then costs a few window columns past the query,
 where KV blocks of 128 would cost 128 or 256.
 
+A sliding window W (a plan for a model's windowed layers) narrows what a row sees to the keys
+within W of it by logical position (CONTRACT §4): the shared blocks from the row's
+`p - max(vis - L, 0) - W + 1`, its own from `p - W + 1`; a segment's steps start at the least
+of its rows' bounds, so a KV block that the window hides from every row is absent too.
+
 Tiles (the Pallas kernel's, where the block sizes name one): a step's q block and KV block
 are cut into tiles of `tile` rows and keys, and each step carries a bit per tile that some row
 of its segment sees a key of; the kernel skips the others. Items' rows see the query and
@@ -260,20 +265,36 @@ def _kv_splits(pos, vis, seq, real, seg: _Segments, shared_lens, kv_lens,
     return jnp.where(items, shared_lens, kv_lens).astype(jnp.int32)
 
 
-def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockSizes,
-                    max_steps: int):
+def _logical_pos(pos, vis, seq, shared_lens):
+    """Each token's position as if its item followed the query directly: p - max(vis - L, 0)
+    (`kernels.ragged_paged_attention.logical_distance`)."""
+    return pos - jnp.maximum(vis - _lookup(shared_lens, jnp.maximum(seq, 0)), 0)
+
+
+def _kv_block_steps(pos, vis, logical, seg: _Segments, shared_lens, splits,
+                    sizes: BlockSizes, max_steps: int, window: int):
     """(q block, sequence, KV block) of each step, its segment, and the real steps' count:
     per segment, the KV blocks some row sees (the rule `sees` on intervals: a row sees
-    [0, min(L, pos + 1)) and [vis, pos]) that lie below its sequence's split, ascending."""
+    [0, min(L, pos + 1)) and [vis, pos], with a `window` [logical - W + 1, L) and
+    [pos - W + 1, pos] of them) that lie below its sequence's split, ascending."""
     first, s = seg.first, seg.seq
     p_max = pos[seg.last]  # positions rise within a segment
-    a_min = seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max)
+    never = jnp.iinfo(jnp.int32).max
+    a_min = seg.reduce(jnp.min, vis, never)
     kvb = sizes.kv_block
-    shared_end = _ceil_div(jnp.minimum(shared_lens[s], p_max + 1), kvb)  # blocks [0, end)
-    lo, hi = a_min // kvb, p_max // kvb + 1                              # and [lo, hi)
+    shared_stop, shared_start = jnp.minimum(shared_lens[s], p_max + 1), jnp.zeros_like(p_max)
+    own_start = a_min
+    if window:
+        shared_start = jnp.maximum(seg.reduce(jnp.min, logical, never) - window + 1, 0)
+        own_start = jnp.maximum(a_min, pos[first] - window + 1)  # positions rise
+    seen = shared_start < shared_stop
+    shared_from = jnp.where(seen, shared_start // kvb, 0)              # blocks [from, end)
+    shared_end = jnp.where(seen, _ceil_div(shared_stop, kvb), 0)
+    lo, hi = own_start // kvb, p_max // kvb + 1                        # and [lo, hi)
     merged = lo <= shared_end
     limit = _ceil_div(splits[s], kvb)
-    starts = jnp.stack([jnp.zeros_like(lo), lo], 1).ravel()
+    starts = jnp.stack([jnp.where(merged, jnp.minimum(shared_from, lo), shared_from), lo],
+                       1).ravel()
     ends = jnp.stack([jnp.where(merged, jnp.maximum(shared_end, hi), shared_end),
                       jnp.where(merged, lo, hi)], 1).ravel()
     valid = jnp.repeat(seg.real, 2)
@@ -285,13 +306,14 @@ def _kv_block_steps(pos, vis, seg: _Segments, shared_lens, splits, sizes: BlockS
                      kv), segment, total
 
 
-def _step_tiles(pos, vis, seg: _Segments, segment, step_seq, step_kv, shared_lens,
-                sizes: BlockSizes):
+def _step_tiles(pos, vis, logical, seg: _Segments, segment, step_seq, step_kv, shared_lens,
+                sizes: BlockSizes, window: int):
     """Each step's tiles that some row sees a key of, as bits: tile (r, c) holds the
     segment's rows of the r-th tile of its q block and the c-th tile of its KV block. A row
     at p sees keys [k0, min(k1, p)] of a tile [k0, k1] where p >= k0 and k0 < L or
-    min(k1, p) >= its vis; a tile's rows are tested by their largest p and smallest vis
-    (a tile that passes may still see nothing; one that fails sees nothing)."""
+    min(k1, p) >= its vis, and (a `window`) k1 > its logical position - W; a tile's rows are
+    tested by their largest p, smallest vis and smallest logical position (a tile that
+    passes may still see nothing; one that fails sees nothing)."""
     n_rows, n_keys = sizes.tiles()
     t = jnp.arange(len(pos), dtype=jnp.int32)
     tile_row = t % sizes.q_block // sizes.tile
@@ -300,11 +322,15 @@ def _step_tiles(pos, vis, seg: _Segments, segment, step_seq, step_kv, shared_len
     for r in range(n_rows):
         rows = tile_row == r
         p_max = _lookup(seg.reduce(jnp.max, pos, -1, rows), segment)
-        vis_min = _lookup(seg.reduce(jnp.min, vis, jnp.iinfo(jnp.int32).max, rows), segment)
+        never = jnp.iinfo(jnp.int32).max
+        vis_min = _lookup(seg.reduce(jnp.min, vis, never, rows), segment)
+        near = _lookup(seg.reduce(jnp.min, logical, never, rows), segment) - window
         for c in range(n_keys):
             k0 = step_kv * sizes.kv_block + c * sizes.tile
             k1 = k0 + sizes.tile - 1
             sees = (p_max >= k0) & ((k0 < shared) | (jnp.minimum(k1, p_max) >= vis_min))
+            if window:
+                sees = sees & (k1 > near)
             bits = bits | jnp.where(sees, 1 << (r * n_keys + c), 0)
     return bits.astype(jnp.int32)
 
@@ -343,8 +369,9 @@ def _block_flags(blocks, total):
 
 
 def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_steps: int,
-          page_size: int, max_item_steps: int):
-    """The plan, padded to the bounds, and the steps and item steps it needs."""
+          page_size: int, max_item_steps: int, window: int = 0):
+    """The plan, padded to the bounds, and the steps and item steps it needs; `window`: of
+    the layers it serves (0: none)."""
     cu, kv_lens, shared_lens, vis = (jnp.asarray(x, jnp.int32) for x in (
         cu, kv_lens, shared_lens, visible_from))
     pos, seq = _token_rows(cu, kv_lens, len(vis))
@@ -352,15 +379,17 @@ def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_step
     args = (pos, vis, seq, real)
     seg = _segments(cu, seq, sizes.q_block)
     splits = _kv_splits(*args, seg, shared_lens, kv_lens, sizes)
-    (block, step_seq, kv), segment, total = _kv_block_steps(pos, vis, seg, shared_lens, splits,
-                                                            sizes, max_steps)
+    logical = _logical_pos(pos, vis, seq, shared_lens)
+    (block, step_seq, kv), segment, total = _kv_block_steps(
+        pos, vis, logical, seg, shared_lens, splits, sizes, max_steps, window)
     plan = AttentionPlan(token_pos=pos, token_seq=seq, step_block=block.astype(jnp.int32),
                          step_seq=step_seq.astype(jnp.int32), step_kv=kv.astype(jnp.int32),
                          step_flags=_block_flags(block, total),
                          num_steps=jnp.clip(total, 1, max_steps).astype(jnp.int32))
     if sizes.tile:
-        plan = plan._replace(step_tiles=_step_tiles(pos, vis, seg, segment, plan.step_seq,
-                                                    plan.step_kv, shared_lens, sizes))
+        plan = plan._replace(step_tiles=_step_tiles(pos, vis, logical, seg, segment,
+                                                    plan.step_seq, plan.step_kv, shared_lens,
+                                                    sizes, window))
     if not sizes.item_q_block:
         return plan, total, jnp.int32(0)
     (i_block, i_seq, start), i_total = _item_window_steps(
@@ -374,7 +403,7 @@ def _plan(cu, kv_lens, shared_lens, visible_from, *, sizes: BlockSizes, max_step
 # Programs trace `_plan` inline: as a nested jit's call, two v6e programs compiling at once
 # crashed the TPU compiler (a segmentation fault, 3 of 3 tries, this jax and libtpu).
 _plan_program = jax.jit(_plan, static_argnames=("sizes", "max_steps", "page_size",
-                                               "max_item_steps"))
+                                               "max_item_steps", "window"))
 
 
 def _bounds(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes, page_size: int):
@@ -382,35 +411,38 @@ def _bounds(n_tokens: int, n_seqs: int, kv_len: int, sizes: BlockSizes, page_siz
             max(max_item_steps(n_tokens, n_seqs, page_size, sizes), 1))
 
 
-def plan_attention(md, sizes: BlockSizes, page_size: int):
+def plan_attention(md, sizes: BlockSizes, page_size: int, window: int = 0):
     """The AttentionMetadata `md` with its plan, built where it is called (inside a program:
-    on the devices), padded to the bounds of its shapes: any batch they hold fits them."""
+    on the devices), padded to the bounds of its shapes: any batch they hold fits them. With
+    a `window`, also `window_plan`, the plan of the layers with that window (or a smaller)."""
     if sizes.item_q_block:
         sizes.check(page_size)
     n_seqs, pages_per_seq = md.page_indices.shape
     max_steps, max_items = _bounds(len(md.visible_from), n_seqs, pages_per_seq * page_size,
                                    sizes, page_size)
-    plan, _, _ = _plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes=sizes,
-                       max_steps=max_steps, page_size=page_size, max_item_steps=max_items)
-    return md._replace(plan=plan)
+    plans = [_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes=sizes,
+                   max_steps=max_steps, page_size=page_size, max_item_steps=max_items,
+                   window=w)[0] for w in ((0, window) if window else (0,))]
+    return md._replace(plan=plans[0], window_plan=plans[1] if window else None)
 
 
-def host_plan(md, sizes: BlockSizes, page_size: int) -> AttentionPlan:
+def host_plan(md, sizes: BlockSizes, page_size: int, window: int = 0) -> AttentionPlan:
     """The plan a program builds from concrete metadata `md` (`plan_attention`), as NumPy
-    arrays: for studies and tests."""
-    return jax.tree.map(np.asarray, _planned(md, sizes, page_size).plan)
+    arrays: for studies and tests; with a `window`, the windowed layers'."""
+    planned = _planned(md, sizes, page_size, window)
+    return jax.tree.map(np.asarray, planned.window_plan if window else planned.plan)
 
 
-_planned = jax.jit(plan_attention, static_argnums=(1, 2))
+_planned = jax.jit(plan_attention, static_argnums=(1, 2, 3))
 
 
 def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
                max_steps: int | None = None, *, page_size: int = 0,
-               max_item_steps: int | None = None) -> AttentionPlan:
+               max_item_steps: int | None = None, window: int = 0) -> AttentionPlan:
     """The plan of concrete metadata (studies and tests), its steps padded to `max_steps`
     and its item steps to `max_item_steps` (None: the bounds of its shapes and longest
     sequence); a plan that does not fit them raises. Item steps, where `sizes` has them,
-    need the `page_size`. NumPy arrays."""
+    need the `page_size`; `window`: the layers' sliding window (0: none). NumPy arrays."""
     if sizes.item_q_block:
         sizes.check(page_size)
     bounds = _bounds(len(visible_from), len(kv_lens), int(np.max(kv_lens, initial=0)), sizes,
@@ -419,7 +451,7 @@ def build_plan(cu_q_lens, kv_lens, shared_lens, visible_from, sizes: BlockSizes,
     max_items = bounds[1] if max_item_steps is None else max_item_steps
     plan, needed, needed_items = _plan_program(cu_q_lens, kv_lens, shared_lens, visible_from,
                                        sizes=sizes, max_steps=max_steps, page_size=page_size,
-                                       max_item_steps=max(max_items, 1))
+                                       max_item_steps=max(max_items, 1), window=window)
     for n, limit, what in ((needed, max_steps, "steps"), (needed_items, max_items, "item steps")):
         if int(n) > limit:
             raise ValueError(f"the plan has {int(n)} {what}, more than the {limit} it is "

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.label_gather import check_gather_shapes
+from kernels.ragged_paged_attention import soft_capped
 from kernels.rms_norm import rms_norm
 from kernels.tpu_tiles import LANES, SUBLANES
 
@@ -110,7 +111,7 @@ def _label_tiles_kernel(counts_ref, labels_smem, runs_smem, hidden_ref, norm_ref
 
 
 def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out_ref, lse_ref,
-                     x_ref, m_ref, s_ref, acc_ref, *, eps, vocab):
+                     x_ref, m_ref, s_ref, acc_ref, *, eps, vocab, softcap):
     """Grid: (row blocks, vocabulary tiles). counts_ref: (real rows, real labels)."""
     j = pl.program_id(1)
     tile = head_ref.shape[0]
@@ -139,8 +140,8 @@ def _streamed_kernel(counts_ref, hidden_ref, norm_ref, head_ref, labels_ref, out
         s_ref[...] = jnp.zeros(s_ref.shape, jnp.float32)
         each_label(zero)
 
-    logits = jax.lax.dot_general(x_ref[...], head_ref[...], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = soft_capped(jax.lax.dot_general(x_ref[...], head_ref[...], (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32), softcap)
     col = j * tile + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     valid = col < vocab
     m_prev = m_ref[...]
@@ -304,7 +305,8 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
                             with_logsumexp: bool, num_rows=None, num_labels=None,
                             vocab_tile: int = 2048, max_stream_rows: int = 256,
                             max_stream_labels: int = _STREAM_LABELS,
-                            max_label_rows: int = _LABEL_ROWS, interpret=False):
+                            max_label_rows: int = _LABEL_ROWS, interpret=False,
+                            softcap: float = 0.0):
     """Pallas kernels; label logits [R, K] f32 and, with `with_logsumexp`, logsumexp [R] f32.
 
     `num_rows`, `num_labels` (runtime data; None: all): the real rows and the real labels of
@@ -324,7 +326,7 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
         call = functools.partial(_streamed, hidden=_pad_rows(hidden, row_block), norm=norm_weight,
                                  head=head, row_block=row_block, interpret=interpret,
                                  vocab_tile=head_tile_rows(vocab, h, head.dtype.itemsize,
-                                                           vocab_tile), **kw)
+                                                           vocab_tile), softcap=softcap, **kw)
         logits, lse = _by_label_groups(call, counts, _pad_rows(labels, row_block),
                                        max_stream_labels)
         return logits[:r], lse[:r]
@@ -337,11 +339,11 @@ def final_norm_label_gather(hidden, norm_weight, head, label_ids, *, eps: float,
     runs = label_runs(labels, counts[0])
     row_block = label_row_block(r, max_label_rows)
 
-    def tiles():
-        return _label_tiles(counts, _pad_rows(hidden, row_block), norm_weight, head,
-                            _pad_rows(labels, row_block),
-                            jnp.pad(runs, (0, -r % row_block), mode="edge"), row_block,
-                            interpret, **kw)[:r]
+    def tiles():  # a label's logit capped alone: no logsumexp here
+        return soft_capped(_label_tiles(counts, _pad_rows(hidden, row_block), norm_weight, head,
+                                        _pad_rows(labels, row_block),
+                                        jnp.pad(runs, (0, -r % row_block), mode="edge"),
+                                        row_block, interpret, **kw)[:r], softcap)
 
     n_runs = runs[jnp.maximum(counts[0], 1) - 1] + 1
     return jax.lax.cond(label_tiles_pay(n_runs, counts[1], vocab), tiles,

@@ -265,7 +265,7 @@ def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
     group = cos.shape[-1]
     for g in range(y.shape[-1] // group):
         x = norm_rope_lanes(y[:, g * group:(g + 1) * group].astype(jnp.float32), cos, sin,
-                            weight, head_dim=head_dim, eps=eps)
+                            weight, head_dim=head_dim, eps=eps, dtype=out.dtype)
         _store(out, rows, first_lane + g * group, x.astype(out.dtype))
 
 

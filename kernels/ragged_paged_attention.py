@@ -31,6 +31,7 @@ class AttentionMetadata(NamedTuple):
     shared_lens: jax.Array   # [S] int32, L: positions every token sees (0: plain causal)
     visible_from: jax.Array  # [T] int32, a(t): first KV position past L that token t sees
     plan: Any = None         # AttentionPlan for the planned kernels (plan_attention); unused here
+    window_plan: Any = None  # and the plan of a model's windowed layers (plan_attention)
 
 
 def check_attention_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:

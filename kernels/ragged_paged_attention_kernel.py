@@ -32,6 +32,7 @@ from kernels.ragged_paged_attention import (
     AttentionMetadata,
     check_attention_shapes,
     sees,
+    soft_capped,
 )
 
 _SCORES_AHEAD = 2  # KV heads whose scores are computed ahead of a head's softmax
@@ -91,19 +92,32 @@ class _KvCopies:
                     act(c)
 
 
-def _mask_bias(first_key, kv_block, pos, vis, shared_len, kv_len):
+def _mask_bias(first_key, kv_block, pos, vis, shared_len, kv_len, window=None):
     """[kv_block, rows]: 0 where the row (at KV position `pos`, seeing the query and keys from
-    `vis` on) sees the key, MASKED elsewhere: the multi-item mask."""
+    `vis` on) sees the key, MASKED elsewhere: the multi-item mask, and the layer's sliding
+    window by logical position where the model has windows."""
     col = first_key + jax.lax.broadcasted_iota(jnp.int32, (kv_block, pos.shape[1]), 0)
-    return jnp.where(sees(col, pos, vis, shared_len, kv_len), 0.0, MASKED)
+    return jnp.where(sees(col, pos, vis, shared_len, kv_len, window), 0.0, MASKED)
 
 
-def _scores(q, k, bias, scale):
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    """What scores are scaled by: sm_scale, then (Gemma 2) soft-capped, then log2(e), so that
+    the softmax runs in base 2."""
+    sm_scale: float
+    softcap: float = 0.0
+
+    def __call__(self, s):
+        if not self.softcap:
+            return s * (self.sm_scale * math.log2(math.e))
+        return soft_capped(s * self.sm_scale, self.softcap) * math.log2(math.e)
+
+
+def _scores(q, k, bias, scale: _Scale):
     """Keys on sublanes, rows on lanes: s is [kv_block, rows], so the max and the sum over
-    keys are sums across vregs and sublanes (VPU), not across lanes. Scaled by sm_scale *
-    log2(e), so the softmax runs in base 2."""
-    return jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32) * scale + bias
+    keys are sums across vregs and sublanes (VPU), not across lanes."""
+    return scale(jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)) + bias
 
 
 def _online_softmax_update(s, v, m_ref, l_ref, acc_ref, at):
@@ -141,9 +155,9 @@ def _kv_heads(q_rows, group, k_all, v_all, bias, scale, r, m_ref, l_ref, acc_ref
                                acc_ref, (h, r))
 
 
-def _tile(r, c, refs, slot, scale, *, tile_rows, tile_pages):
+def _tile(r, c, refs, slot, scale, window, *, tile_rows, tile_pages):
     """Tile (r, c) of the step: its q block's r-th tile of rows against its KV block's c-th
-    tile of keys."""
+    tile of keys. `window`: the layer's (None: the model has none)."""
     (step_seq_ref, step_kv_ref, kv_lens_ref, shared_lens_ref, q_ref, pos_ref, seq_ref, vis_ref,
      k_buf, v_buf, m_ref, l_ref, acc_ref) = refs
     i, d = pl.program_id(0), k_buf.shape[-1]
@@ -152,7 +166,7 @@ def _tile(r, c, refs, slot, scale, *, tile_rows, tile_pages):
     pos = jnp.where(seq_ref[0, r:r + 1] == seq, pos_ref[0, r:r + 1], -1)  # other sequences see none
     first_key = step_kv_ref[i] * k_buf.shape[2] * k_buf.shape[3] + c * keys
     bias = _mask_bias(first_key, keys, pos, vis_ref[0, r:r + 1], shared_lens_ref[seq],
-                      kv_lens_ref[seq])
+                      kv_lens_ref[seq], window)
     pages = slice(c * tile_pages, (c + 1) * tile_pages)
     # k_buf, v_buf [2, Hkv, pages_per_block, page, D]
     _kv_heads(lambda j: q_ref[r * tile_rows:(r + 1) * tile_rows, pl.ds(j * d, d)], group,
@@ -182,7 +196,7 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
             q_ref, pos_ref, seq_ref, vis_ref, k_hbm, v_hbm,
             o_ref,
             k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
-            *, sm_scale, pages_per_seq, pages_per_block, tiles):
+            *, scale: _Scale, windowed: bool, pages_per_seq, pages_per_block, tiles):
     i, n = pl.program_id(0), pl.num_programs(0)
     del step_block_ref  # read by the index maps
     copies = _KvCopies(layer_ref, step_seq_ref, step_kv_ref, pages_ref, whole_ref, k_hbm,
@@ -215,9 +229,9 @@ def _kernel(layer_ref, step_block_ref, step_seq_ref, step_kv_ref, step_flags_ref
 
         tile_refs = (step_seq_ref, step_kv_ref, kv_lens_ref, shared_lens_ref, q_ref, pos_ref,
                      seq_ref, vis_ref, k_buf, v_buf, m_ref, l_ref, acc_ref)
-        tile = functools.partial(_tile, refs=tile_refs, slot=slot,
-                                 scale=sm_scale * math.log2(math.e), tile_rows=tile_rows,
-                                 tile_pages=tile_pages)
+        tile = functools.partial(_tile, refs=tile_refs, slot=slot, scale=scale,
+                                 window=layer_ref[1] if windowed else None,
+                                 tile_rows=tile_rows, tile_pages=tile_pages)
         for r in range(n_rows):
             for c in range(n_keys):
                 if n_rows * n_keys == 1:
@@ -297,10 +311,18 @@ def _in_blocks(q, md: AttentionMetadata, hkv: int, sizes: BlockSizes):
             per_row(md.visible_from, 0))
 
 
+def _layer_and_window(layer, window):
+    """SMEM [layer, window] (window 0: none)."""
+    return jnp.stack([jnp.asarray(layer, jnp.int32),
+                      jnp.asarray(0 if window is None else window, jnp.int32)])
+
+
 def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
-                           sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False):
+                           sm_scale: float, max_q_len: int, sizes: BlockSizes, interpret=False,
+                           softcap: float = 0.0, window=None):
     """Pallas kernel; `md.plan` comes from `plan_attention` (or `build_plan`) on the same
-    metadata and block sizes."""
+    metadata and block sizes. `softcap` and `window` (the layer's, traced; 0: none) as the
+    reference's; the plan's blocks and tiles are a superset of what a window leaves."""
     del max_q_len  # the plan bounds the work
     check_attention_shapes(q, k_pages, v_pages, md)
     plan = md.plan
@@ -325,7 +347,8 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
     pages = _block_pages(md, ppb)
     block_map = lambda i, lyr, sb, *_: (sb[i], 0)  # noqa: E731
     row_map = lambda i, lyr, sb, *_: (sb[i], 0, 0)  # noqa: E731
-    kernel = functools.partial(_kernel, sm_scale=sm_scale, pages_per_seq=pages.shape[1],
+    kernel = functools.partial(_kernel, scale=_Scale(sm_scale, softcap),
+                               windowed=window is not None, pages_per_seq=pages.shape[1],
                                pages_per_block=ppb, tiles=tiles)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=10,
@@ -351,7 +374,7 @@ def ragged_paged_attention(q, k_pages, v_pages, layer, md: AttentionMetadata, *,
         cost_estimate=attention_cost(plan.step_block.shape[0], n_blocks, group * bq, hkv, d,
                                      sizes.kv_block, k_pages.dtype.itemsize),
         interpret=interpret,
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), plan.step_block, plan.step_seq,
+    )(_layer_and_window(layer, window), plan.step_block, plan.step_seq,
       plan.step_kv, plan.step_flags, step_tiles, pages.reshape(-1),
       whole_blocks(md, ppb, page_size, k_pages.shape[2]), md.kv_lens, md.shared_lens,
       *_in_blocks(q, md, hkv, sizes), k_pages, v_pages)

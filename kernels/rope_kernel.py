@@ -67,10 +67,13 @@ def _rotated(x, head_dim: int):
     return jnp.where(first_half, pltpu.roll(x, group - half, 1), pltpu.roll(x, half, 1))
 
 
-def _normed(x, weight, eps: float):
+def _normed(x, weight, eps: float, dtype):
     """RMSNorm over the lanes (one head) as `kernels.rms_norm`: statistics in float32, the
-    product in the weight's dtype."""
+    product in the weight's dtype, or for a float32 weight (Gemma's 1 + w) in float32 rounded
+    to the activations' `dtype`."""
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if weight.dtype == jnp.float32:
+        return (weight * x).astype(dtype).astype(jnp.float32)
     return (weight * x.astype(weight.dtype)).astype(jnp.float32)
 
 
@@ -97,12 +100,13 @@ class HeadRope:
                              f"head_dim {self.head_dim}")
 
 
-def norm_rope_lanes(x, cos, sin, weight, *, head_dim: int, eps: float):
-    """One lane group of q or k (float32 [rows, group]) normed over each head's lanes with
-    `weight` [1, head_dim] (where given) and rotated by the tables' rows; float32 out. For
-    this kernel and for others that finish q or k in VMEM (the projections')."""
+def norm_rope_lanes(x, cos, sin, weight, *, head_dim: int, eps: float, dtype):
+    """One lane group of q or k (float32 [rows, group], of activations in `dtype`) normed over
+    each head's lanes with `weight` [1, head_dim] (where given) and rotated by the tables'
+    rows; float32 out. For this kernel and for others that finish q or k in VMEM (the
+    projections')."""
     if weight is not None:
-        x = _normed(x, weight, eps)
+        x = _normed(x, weight, eps, dtype)
     return x * cos + _rotated(x, head_dim) * sin
 
 
@@ -118,7 +122,7 @@ def _kernel(*refs, head_dim: int, eps: float, norm: bool):
         for g in range(x_ref.shape[-1] // group):
             lanes = pl.ds(g * group, group)
             x = norm_rope_lanes(x_ref[:, lanes].astype(jnp.float32), cos, sin, weight,
-                                head_dim=head_dim, eps=eps)
+                                head_dim=head_dim, eps=eps, dtype=out.dtype)
             out[:, lanes] = x.astype(out.dtype)
 
 

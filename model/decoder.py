@@ -331,6 +331,17 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
     return kernels
 
 
+def _family_kernels(cfg: ModelConfig, kernels: KernelSet) -> KernelSet:
+    """The MLP kernels compute SiLU and add the residual to the MLP's output: a GeGLU's
+    product is XLA's ops on the gate and up projection's kernel; Gemma 2's and 3's norms on
+    the outputs leave the output projection and the MLP apart (`_sandwiched_sublayers`)."""
+    if cfg.activation != "silu":
+        kernels = kernels._replace(gated_up=None, mlp=None, out_and_mlp=None)
+    if cfg.sandwich_norms:
+        kernels = kernels._replace(mlp=None, out_and_mlp=None)
+    return kernels
+
+
 def _pad_head_dim(x, width: int):
     """[T, H, D] -> [T, H, width], zeros after D: q.k and p.v are unchanged."""
     return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
@@ -369,7 +380,8 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
                                              written.page_ids)
     with jax.named_scope("attention"):
         windows = {"window": window} if cfg.windowed else {}
-        attn = kernels.attend(q, k_pages, v_pages, layer, batch.attention, **windows)
+        attn = kernels.attend(q, k_pages, v_pages, layer, _layer_plan(batch.attention, window),
+                              **windows)
         attn = attn[..., :cfg.head_dim].reshape(attn.shape[0], -1)
     if cfg.sandwich_norms:
         x = _sandwiched_sublayers(cfg, shards, kernels, lp, stacked, layer, project, x, attn,
@@ -412,6 +424,15 @@ def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSe
             x_norm=h_norm, name="gate_up")
         out = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=None)
         return x + _norm(cfg, out, lp["mlp_out_norm"], feature_major)
+
+
+def _layer_plan(md, window):
+    """The metadata with the plan of this layer's kind: a windowed layer's skips the KV
+    blocks its window hides from every row of a step (kernels.attention_plan)."""
+    if md.window_plan is None:
+        return md
+    plan = jax.tree.map(lambda w, full: jnp.where(window > 0, w, full), md.window_plan, md.plan)
+    return md._replace(plan=plan, window_plan=None)
 
 
 class _Ropes(NamedTuple):
@@ -487,7 +508,8 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
         layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
-    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
+    kernels = _family_kernels(cfg, _mlp_kernels(kernels, cfg, stacked, layer_params,
+                                                x.shape[0], shards))
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     ropes = _ropes(cfg, batch.positions, tables)
@@ -534,26 +556,9 @@ def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: K
     return _TokenPages(*written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2]))
 
 
-def tpu_kernels_lack(cfg: ModelConfig) -> list[str]:
-    """The config's fields the TPU kernels do not implement yet (the XLA and reference
-    backends do)."""
-    lacking = {"norm_offset": cfg.norm_offset, "sandwich_norms": cfg.sandwich_norms,
-               "attn_softcap": cfg.attn_softcap, "final_softcap": cfg.final_softcap,
-               "layer_windows": cfg.windowed, "activation": cfg.activation != "silu"}
-    return [name for name, value in lacking.items() if value]
-
-
-def check_backend_serves(cfg: ModelConfig, backend: str) -> None:
-    """Raises ValueError naming the config's fields the backend does not implement."""
-    if backend in TPU_BACKENDS and (lacking := tpu_kernels_lack(cfg)):
-        raise ValueError(f"the {backend} kernels do not implement {cfg.family}'s "
-                         f"{', '.join(lacking)} yet; use --kernel_backend xla")
-
-
 def model_kernels(cfg: ModelConfig, backend: str, max_q_len: int,
                   sizes: BlockSizes | None) -> KernelSet:
     """The backend's kernels, at `cfg`'s attention scale and soft-cap."""
-    check_backend_serves(cfg, backend)
     return select_kernels(backend, sm_scale=cfg.sm_scale, max_q_len=max_q_len, sizes=sizes,
                           softcap=cfg.attn_softcap)
 
@@ -570,8 +575,8 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
         kernels = model_kernels(cfg, backend, max_q_len, sizes)
     if sizes is not None:
         with jax.named_scope("attention_plan"):
-            batch = batch._replace(attention=plan_attention(batch.attention, sizes,
-                                                            cache.k.shape[3]))
+            batch = batch._replace(attention=plan_attention(
+                batch.attention, sizes, cache.k.shape[3], max(cfg.layer_windows, default=0)))
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,

@@ -28,6 +28,7 @@ from profiling.v6e.compile import (
     SIZED_MODELS,
     STUDY_MODELS,
     V6E_HBM_BYTES,
+    WINDOWED_MODELS,
     hbm_bytes,
     v6e_devices,
     xla_costs,
@@ -41,7 +42,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("models", list(SIZED_MODELS), f"of {list(STUDY_MODELS)}")
+    flags.DEFINE_list("models", list(SIZED_MODELS),
+                      f"of {list(STUDY_MODELS)} or {list(WINDOWED_MODELS)}")
     flags.DEFINE_integer("tp_size", 1, "chips per replica: 1, or up to 4 of a v6e 2x2 slice")
     flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "weights and activations")
     flags.DEFINE_list("buckets", ["16", "128", "512", "2048", "8192"], "token buckets")
@@ -50,7 +52,7 @@ def define_flags() -> None:
 
 
 def study(model: str, engine_cfg: EngineConfig, buckets: list[int]) -> dict:
-    cfg = STUDY_MODELS[model]
+    cfg = {**STUDY_MODELS, **WINDOWED_MODELS}[model]
     chips = v6e_devices(1 if engine_cfg.tp_size == 1 else 4)[:engine_cfg.tp_size]
     programs_with = functools.partial(server_programs, engine_cfg, cfg, chips)
     pages = kv_pool_pages(engine_cfg, programs_with, DeviceMemory(V6E_HBM_BYTES))

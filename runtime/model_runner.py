@@ -13,7 +13,7 @@ from kernels.attention_plan import BlockSizes
 from kernels.backends import TPU_BACKENDS
 from model.batch import ForwardBatch, KVCache, pack
 from model.config import ModelConfig
-from model.decoder import check_backend_serves, empty_cache
+from model.decoder import empty_cache
 from model.params import grouped_kv, per_layer_matrices
 from model.sharding import (
     cache_placements,
@@ -35,7 +35,6 @@ class ModelRunner:
         """`params` on the host (model.params); `devices`: the mesh, by default the first.
         `publish`: multi-host node 0's step channel (runtime.distributed), told each forward.
         `program_cache_dir`: where compiled programs are kept between starts; "": nowhere."""
-        check_backend_serves(cfg, backend)
         self.cfg, self.buckets = cfg, buckets
         self.num_pages, self.dtype, self.backend = num_pages, dtype, backend
         devices = list(devices or jax.devices()[:1])

@@ -5,14 +5,22 @@ import numpy as np
 from kernels.attention_plan import BlockSizes
 
 
-def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_block: int):
+def needed_kv_blocks(pos: np.ndarray, vis: np.ndarray, shared_len: int, kv_block: int,
+                     window: int = 0):
     """KV block indices some row (kv position `pos`, visible-from `vis`) can see: `sees` on
-    intervals. A row sees [0, min(L, pos + 1)) and [vis, pos]."""
+    intervals. A row sees [0, min(L, pos + 1)) and [vis, pos]; with a window, of the first
+    only from its logical position (pos less its item's distance from the query) - W + 1,
+    of the second only from pos - W + 1, the segment's rows taken by their least bounds."""
     p_max, a_min = int(pos.max()), int(vis.min())
-    blocks = set(range(a_min // kv_block, p_max // kv_block + 1))
+    own_from, shared_from = a_min, 0
+    if window:
+        logical = pos - np.maximum(vis - shared_len, 0)
+        own_from = max(a_min, int(pos.min()) - window + 1)
+        shared_from = max(int(logical.min()) - window + 1, 0)
+    blocks = set(range(own_from // kv_block, p_max // kv_block + 1))
     shared_end = min(shared_len, p_max + 1)
-    if shared_end > 0:
-        blocks |= set(range((shared_end - 1) // kv_block + 1))
+    if shared_end > shared_from:
+        blocks |= set(range(shared_from // kv_block, (shared_end - 1) // kv_block + 1))
     return sorted(blocks)
 
 
@@ -40,7 +48,8 @@ def item_windows(pos, vis, split: int, sizes: BlockSizes, page_size: int) -> lis
     return list(range(first, int(pos[rows].max()) + 1, sizes.item_kv_block))
 
 
-def plan_steps(cu, kv_lens, shared_lens, visible_from, sizes: BlockSizes, page_size: int):
+def plan_steps(cu, kv_lens, shared_lens, visible_from, sizes: BlockSizes, page_size: int,
+               window: int = 0):
     """(token positions, token sequences, block steps, item steps, splits) as lists."""
     cu, kv_lens, visible_from = map(np.asarray, (cu, kv_lens, visible_from))
     pos = np.full(len(visible_from), -1)
@@ -53,7 +62,7 @@ def plan_steps(cu, kv_lens, shared_lens, visible_from, sizes: BlockSizes, page_s
         split = kv_split(pos[lo:hi], visible_from[lo:hi], shared, int(kv_lens[s]), sizes)
         splits.append(split)
         for block, a, b in segments(lo, hi, sizes.q_block):
-            kv = needed_kv_blocks(pos[a:b], visible_from[a:b], shared, sizes.kv_block)
+            kv = needed_kv_blocks(pos[a:b], visible_from[a:b], shared, sizes.kv_block, window)
             steps += [(block, s, k) for k in kv if k * sizes.kv_block < split]
         if split < kv_lens[s]:
             for block, a, b in segments(lo, hi, sizes.item_q_block):

@@ -1,6 +1,7 @@
 """The Pallas ragged paged attention kernel (TPU interpret mode on CPU) and the planned XLA
 path vs the reference."""
 import dataclasses
+import functools
 import re
 
 import jax
@@ -27,7 +28,7 @@ from kernels.ragged_paged_attention import (
 from kernels.ragged_paged_attention_kernel import ragged_paged_attention, whole_block_steps
 from kernels.ragged_paged_attention_xla import block_rows, ragged_paged_attention_xla
 from model.decoder import pool_head_dim
-from profiling.v6e.compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
+from profiling.v6e.compile import SIZED_MODELS, WINDOWED_MODELS, compile_for_v6e, mosaic_kernels
 from tests.attention_cases import random_batch
 from tests.plan_reference import plan_steps
 
@@ -122,21 +123,30 @@ def test_kernel_matches_reference(case, path):
     np.testing.assert_allclose(got[:n], want[:n], atol=1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("path", ["xla", "xla_items"])
+@pytest.mark.parametrize("path", ["interpret", "interpret_tiles", "xla", "xla_items"])
 @pytest.mark.parametrize("case", [0, 6])
-def test_xla_window_and_softcap_match_reference(case, path):
-    """A sliding window shorter than the queries, by logical position, and soft-capped scores:
-    the planned XLA loops as the reference."""
+def test_window_and_softcap_match_reference(case, path):
+    """A sliding window shorter than the queries, by logical position, and soft-capped scores,
+    on the window's plan (the KV blocks and tiles it hides from every row skipped): the Pallas
+    kernel (TPU interpreter) and the planned XLA loops as the reference."""
     specs, hq, hkv, d, page, sizes, dtype = CASES[case]
     q, k, v, md, n = random_batch(np.random.default_rng(case), specs, hq=hq, hkv=hkv, d=d,
                                   page_size=page, dtype=dtype)
     if path == "xla_items":
         sizes = with_item_steps(sizes, page)
-    plan = jax.tree.map(jnp.asarray, plan_for(md, sizes, page_size=page))
+    if path == "interpret_tiles":
+        sizes = dataclasses.replace(sizes, tile=page)
+    args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
+    plan = build_plan(*args, page_size=page, window=4)  # a window's plan: fewer KV blocks
+    full = int(build_plan(*args, page_size=page).num_steps)  # (case 6: its long item's)
+    assert int(plan.num_steps) < full if case == 6 else int(plan.num_steps) <= full
+    plan = jax.tree.map(jnp.asarray, plan)
     kw = dict(sm_scale=d ** -0.5, max_q_len=int(np.diff(md.cu_q_lens).max()), softcap=1.5,
               window=jnp.int32(4))
+    attend = (functools.partial(ragged_paged_attention, interpret=pltpu.InterpretParams())
+              if path.startswith("interpret") else ragged_paged_attention_xla)
     with jax.default_matmul_precision("float32"):
-        got = ragged_paged_attention_xla(q, k, v, 1, md._replace(plan=plan), sizes=sizes, **kw)
+        got = attend(q, k, v, 1, md._replace(plan=plan), sizes=sizes, **kw)
         want = ragged_paged_attention_reference(q, k, v, 1, md, **kw)
         unwindowed = ragged_paged_attention_reference(q, k, v, 1, md, **{**kw, "window": None})
     np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=1e-5)
@@ -424,13 +434,15 @@ def test_plan_larger_than_its_padding_is_refused():
                    max_steps=14)
 
 
-@pytest.mark.parametrize("model", SIZED_MODELS)
+@pytest.mark.parametrize("model", [*SIZED_MODELS, "Gemma-2-2B"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("page", [16, 128])
 def test_kernel_compiles_for_v6e(model, dtype, page):
-    """The whole grid (four models' heads, both dtypes, pages of 16 and 128) through Mosaic's
-    compiler, at the server's v6e block sizes and lane-aligned pool: 1-3 s each."""
-    cfg = SIZED_MODELS[model]
+    """The whole grid (five models' heads, both dtypes, pages of 16 and 128) through Mosaic's
+    compiler, at the server's v6e block sizes and lane-aligned pool: 1-3 s each; Gemma 2's
+    with its soft-cap and sliding window."""
+    cfg = {**SIZED_MODELS, **WINDOWED_MODELS}[model]
+    windowed = dict(softcap=cfg.attn_softcap, window=4096) if cfg.windowed else {}
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, pool_head_dim(cfg, "pallas")
     sizes = default_block_sizes("TPU v6 lite", page)
     t, s, p, ns = 1024, 4, 64, 64
@@ -443,7 +455,7 @@ def test_kernel_compiles_for_v6e(model, dtype, page):
 
     def fn(q, k, v, layer, md, plan):
         return ragged_paged_attention(q, k, v, layer, md._replace(plan=plan), sm_scale=0.1,
-                                      max_q_len=t, sizes=sizes)
+                                      max_q_len=t, sizes=sizes, **windowed)
 
     compiled = compile_for_v6e(fn, sds((t, hq, d), dtype), pages, pages, sds((), i32), md, plan)
     assert mosaic_kernels(compiled) == ["ragged_paged_attention"]
@@ -464,9 +476,10 @@ def test_plan_equals_its_rule_segment_by_segment(seed):
     if seed % 2:
         sizes = dataclasses.replace(sizes, item_q_block=8 * int(rng.integers(1, 3)),
                                     item_kv_block=page * int(rng.integers(1, 3)))
+    window = int(rng.integers(1, 40)) if seed % 3 else 0  # a sliding window's plan
     args = (md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes)
-    plan = build_plan(*args, page_size=page)
-    pos, seq, steps, item_steps, splits = plan_steps(*args, page_size=page)
+    plan = build_plan(*args, page_size=page, window=window)
+    pos, seq, steps, item_steps, splits = plan_steps(*args, page_size=page, window=window)
     assert plan.token_pos.tolist() == pos and plan.token_seq.tolist() == seq
     real = int(plan.num_steps) if steps else 0
     got = np.stack([plan.step_block, plan.step_seq, plan.step_kv], 1)[:real]

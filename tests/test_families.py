@@ -107,11 +107,29 @@ def test_configs_asking_for_what_is_not_implemented_are_refused(fields, named):
         config_from_hf(hf_config("gemma2", **fields))
 
 
-def test_qwen2_sliding_window_and_tpu_kernels_without_windows_are_refused(windowed_dirs):
+def test_qwen2s_sliding_window_rule_is_refused():
     with pytest.raises(ValueError, match="use_sliding_window"):
         config_from_hf(hf_config("qwen2", use_sliding_window=True, sliding_window=8))
-    with pytest.raises(ValueError, match="norm_offset, sandwich_norms, layer_windows"):
-        Engine.from_path(windowed_dirs["gemma3"], small_config(kernel_backend="interpret"))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_pallas_kernels_score_gemma_as_the_reference(windowed_dirs, family):
+    """In the TPU interpreter: the attention kernel with the layer's window (by logical
+    position, on the windowed layers' plan) and Gemma 2's soft-cap, the label gather with its
+    final soft-cap, Gemma's float32 norms, GeGLU (XLA's ops), Gemma 3's local and global RoPE.
+    (The projection kernels take float32 norms in tests/test_projection_kernel.py.)"""
+    query, items = request(2)
+    kernel, reference = (Engine.from_path(windowed_dirs[family], small_config(**kw)) for kw in (
+        dict(kernel_backend="interpret", q_block=8, kv_block=16),
+        dict(kernel_backend="reference")))
+    try:
+        for apply_softmax in (False, True):
+            assert_scores_close(
+                kernel.score(query, items, LABELS, apply_softmax=apply_softmax).scores,
+                reference.score(query, items, LABELS, apply_softmax=apply_softmax).scores)
+    finally:
+        kernel.close()
+        reference.close()
 
 
 def test_scores_equal_transformers_own_item_by_item(tmp_path):

@@ -166,15 +166,17 @@ def shapes(rows, vocab, width, n_labels=2, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("vocab, width", [(151936, 1024), (49152, 576), (151936, 896),
-                                          (128256, 2048), (151669, 896)])
+                                          (128256, 2048), (151669, 896), (256000, 2304)])
 def test_kernel_compiles_for_v6e(with_lse, vocab, width, dtype):
-    """The whole grid (the four models' heads, an odd vocabulary, both modes and dtypes) through
-    Mosaic's compiler: a few tenths of a second each. Real rows and labels are runtime data,
-    as in the server."""
+    """The whole grid (the four models' heads, Gemma 2's with its final soft-cap, an odd
+    vocabulary, both modes and dtypes) through Mosaic's compiler: a few tenths of a second
+    each. Real rows and labels are runtime data, as in the server."""
+    softcap = 30.0 if vocab == 256000 else 0.0
+
     def gather(hidden, norm, head, labels, num_rows, num_labels):
         return final_norm_label_gather(hidden, norm, head, labels, eps=1e-6,
                                        with_logsumexp=with_lse, num_rows=num_rows,
-                                       num_labels=num_labels)
+                                       num_labels=num_labels, softcap=softcap)
 
     count = jax.ShapeDtypeStruct((), jnp.int32)
     compiled = compile_for_v6e(gather, *shapes(64, vocab, width, dtype=dtype), count, count)
@@ -232,3 +234,26 @@ def test_streamed_mode_in_label_groups(num_labels):
                                atol=1e-5)
     assert not np.asarray(got[0][:, num_labels:]).any()
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_lse, n_labels", [(True, 3), (False, 3), (False, 128)])
+def test_final_softcap_caps_the_logits_before_the_logsumexp(with_lse, n_labels):
+    """Gemma 2's final soft-cap, in the streamed kernel (before its logsumexp) and on the
+    label tiles' logits, with a float32 norm weight (Gemma's 1 + w): the kernels, the XLA path
+    and the reference agree, and the cap changes the answer."""
+    hidden, norm, head, labels = inputs(np.random.default_rng(5), 8, n_labels, 4096,
+                                        jnp.float32)
+    norm = norm.astype(jnp.float32)
+    kw = dict(eps=1e-6, with_logsumexp=with_lse, softcap=3.0)
+    want = final_norm_label_gather_reference(hidden, norm, head, labels, **kw)
+    got = final_norm_label_gather(hidden, norm, head, labels, **kw, vocab_tile=1024,
+                                  interpret=pltpu.InterpretParams())
+    xla = final_norm_label_gather_xla(hidden, norm, head, labels, **kw, num_rows=8)
+    for path in (got, xla):
+        np.testing.assert_allclose(path[0], want[0], rtol=1e-5, atol=1e-5)
+        if with_lse:
+            np.testing.assert_allclose(path[1], want[1], rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want[0])).max() < 3.0
+    uncapped = final_norm_label_gather_reference(hidden, norm, head, labels,
+                                                 **{**kw, "softcap": 0.0})
+    assert np.abs(np.asarray(uncapped[0])).max() > 3.0

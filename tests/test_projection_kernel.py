@@ -315,17 +315,19 @@ def test_a_residual_is_added_to_the_product(dtype, blocks):
         project(x, (w, w), layer=0, residual=r, interpret=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype, norm_dtype", [(jnp.float32, None), (jnp.bfloat16, None),
+                                               (jnp.bfloat16, jnp.float32)])
 @pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 256)])
-def test_x_normed_in_the_kernel_is_the_models_norm(dtype, blocks):
-    """With x's norm (the layer's input RMSNorm), each block of x is normed in VMEM before the
-    products, for a projection and for gate and up: within the projections' tolerance of the
-    model's norm then the reference (the norm's sums run in another order); a step must hold
-    every column, and the weights must fit VMEM whole for the blocks to give one."""
+def test_x_normed_in_the_kernel_is_the_models_norm(dtype, norm_dtype, blocks):
+    """With x's norm (the layer's input RMSNorm; a float32 weight: Gemma's 1 + w), each block
+    of x is normed in VMEM before the products, for a projection and for gate and up: within
+    the projections' tolerance of the model's norm then the reference (the norm's sums run in
+    another order); a step must hold every column, and the weights must fit VMEM whole for
+    the blocks to give one."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from kernels.projection_kernel import InputNorm, norm_fits
     x, w, weight = _arrays(dtype, 12, (64, 256), (3, 256, 256), (256,))
-    w, norm = w / 16, InputNorm(1 + weight / 4, 1e-6)
+    w, norm = w / 16, InputNorm((1 + weight / 4).astype(norm_dtype or dtype), 1e-6)
     interpret = pltpu.InterpretParams(detect_races=True)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
     got = project(x, (w,), layer=1, x_norm=norm, blocks=blocks, interpret=interpret)[0]

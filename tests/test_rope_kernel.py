@@ -21,12 +21,13 @@ from profiling.v6e.compile import SIZED_MODELS, compile_for_v6e, mosaic_kernels
 EPS = 1e-6
 
 
-def _case(tokens, q_heads, kv_heads, head_dim, norm, dtype, seed=0):
+def _case(tokens, q_heads, kv_heads, head_dim, norm, dtype, seed=0, norm_dtype=None):
+    """`norm_dtype`: the norms' (float32: Gemma 3's 1 + w in a bfloat16 model); x's dtype."""
     rng = np.random.default_rng(seed)
     positions = jnp.asarray(rng.integers(0, 40_000, tokens), jnp.int32)
     q, k = (jnp.asarray(rng.standard_normal((tokens, h * head_dim)) * 3, dtype)
             for h in (q_heads, kv_heads))
-    norms = tuple(jnp.asarray(rng.standard_normal(head_dim), dtype)
+    norms = tuple(jnp.asarray(rng.standard_normal(head_dim), norm_dtype or dtype)
                   for _ in range(2)) if norm else ()
     return positions, q, k, norms
 
@@ -53,12 +54,16 @@ def test_reference_is_the_models_xla_path(head_dim, norm):
         np.testing.assert_array_equal(_f32(g), _f32(model(x, w)))
 
 
-@pytest.mark.parametrize("head_dim,norm,dtype,block", [
-    (128, True, jnp.float32, 16), (128, True, jnp.bfloat16, 32), (64, False, jnp.float32, 8),
-    (64, False, jnp.bfloat16, None), (256, False, jnp.float32, 16), (32, False, jnp.float32, 16)])
-def test_kernel_equals_the_reference(head_dim, norm, dtype, block):
+@pytest.mark.parametrize("head_dim,norm,dtype,block,norm_dtype", [
+    (128, True, jnp.float32, 16, None), (128, True, jnp.bfloat16, 32, None),
+    (256, True, jnp.bfloat16, 16, jnp.float32), (64, False, jnp.float32, 8, None),
+    (64, False, jnp.bfloat16, None, None), (256, False, jnp.float32, 16, None),
+    (32, False, jnp.float32, 16, None)])
+def test_kernel_equals_the_reference(head_dim, norm, dtype, block, norm_dtype):
+    """Qwen3's norms, and Gemma 3's float32 ones on bfloat16 heads of 256 (the product in
+    float32, rounded to bfloat16 before RoPE, as HF's)."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    positions, q, k, norms = _case(64, 4, 2, head_dim, norm, dtype)
+    positions, q, k, norms = _case(64, 4, 2, head_dim, norm, dtype, norm_dtype=norm_dtype)
     tables = rope_lane_tables(positions, head_dim, 1e6)
     kw = dict(head_dim=head_dim, eps=EPS, block_tokens=block)
     want = qk_norm_rope_reference(q, k, *tables, *norms, **kw)

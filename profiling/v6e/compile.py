@@ -43,8 +43,8 @@ LARGE_MODELS = {
 STUDY_MODELS = {**SIZED_MODELS, **LARGE_MODELS}
 _GEMMA = dict(tie_word_embeddings=True, norm_offset=1.0, embed_scale=True,
               activation="gelu_tanh", sandwich_norms=True, query_scale=256.0)
-# Families the TPU kernels do not serve yet (model.decoder.tpu_kernels_lack): their sizes, for
-# random checkpoints (profiling.random_checkpoint) and CPU and GPU timing.
+# The windowed families' sizes, for random checkpoints (profiling.random_checkpoint) and the v6e
+# studies (profiling.v6e.forward_breakdown); not in the suite's compile checks of every model.
 WINDOWED_MODELS = {
     "Gemma-2-2B": ModelConfig("gemma2", 256000, 2304, 9216, 26, 8, 4, 256, 10000.0, 1e-6, 8192,
                               attn_softcap=50.0, final_softcap=30.0,

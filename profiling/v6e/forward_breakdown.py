@@ -24,20 +24,21 @@ from model.params import param_shapes
 from profiling.bench_forward import filled_batch, v6e_estimate
 from profiling.bench_host_work import bucket_config
 from profiling.timing import write_json
-from profiling.v6e.compile import STUDY_MODELS
+from profiling.v6e.compile import STUDY_MODELS, WINDOWED_MODELS
 from runtime.cli_flags import parse_flags
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    flags.DEFINE_list("models", ["Qwen3-0.6B"], f"of {sorted(STUDY_MODELS)}")
+    flags.DEFINE_list("models", ["Qwen3-0.6B"], f"of {sorted(STUDY_MODELS)} or "
+                      f"{sorted(WINDOWED_MODELS)}")
     flags.DEFINE_list("buckets", ["512", "2048"], "forward sizes in tokens")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
 def breakdown(model: str, bucket: int) -> dict:
-    cfg, engine_cfg = STUDY_MODELS[model], bucket_config(bucket, "bfloat16")
+    cfg, engine_cfg = {**STUDY_MODELS, **WINDOWED_MODELS}[model], bucket_config(bucket, "bfloat16")
     entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0))
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
