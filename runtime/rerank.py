@@ -67,7 +67,8 @@ class RerankTemplate:
         query holding "{doc}" stays text."""
         instruct = self.default_instruct if instruct is None else instruct
         values = {"query": query,
-                  "instruct": self.instruct_text.format(instruct=instruct) if instruct else ""}
+                  "instruct": self.instruct_text.replace("{instruct}", instruct) if instruct
+                  else ""}
         fill = lambda part: _FIELDS.sub(lambda m: values[m.group(1)], part)  # noqa: E731
         at = next(i for i, piece in enumerate(self.body) if "{doc}" in piece)
         before, after = self.body[at].split("{doc}")
