@@ -31,8 +31,9 @@ class KernelSet(NamedTuple):
     project: Callable | None = None  # (x, weights, biases, *, out_dtype, rope, name) -> x @
     #                                  each weight (+ its bias), the first normed and rotated
     #                                  with `rope`; None: the model's XLA dots
-    gated_up: Callable | None = None  # (x, w_gate, w_up, *, name) -> SiLU(x @ w_gate) *
-    #                                   (x @ w_up); None: the model's XLA ops
+    gated_up: Callable | None = None  # (x, w_gate, w_up, *, name, activation) ->
+    #                                   activation(x @ w_gate) * (x @ w_up); None: the
+    #                                   model's XLA ops
     mlp: Callable | None = None  # (x, w_gate, w_up, w_down, *, layer, x_norm, residual,
     #                              out_dtype, name) -> the whole MLP and its residual add in
     #                              one kernel; None: gate_up and the down projection

@@ -137,10 +137,19 @@ def silu(x):
     return x / (1 + jnp.exp(-x))
 
 
-def finish_gated(products, out_dtype):
-    """SiLU(gate) times up, each rounded to `out_dtype` first, as the model's XLA ops do."""
+def gelu_tanh(x):
+    """GELU with the tanh approximation: Gemma's GeGLU (HF's gelu_pytorch_tanh)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}  # by model.config.ModelConfig.activation
+
+
+def finish_gated(products, out_dtype, activation: str = "silu"):
+    """activation(gate) times up, each rounded to `out_dtype` first, as the model's XLA ops
+    do."""
     gate, up = (p.astype(out_dtype) for p in products)
-    return (silu(gate.astype(jnp.float32)).astype(out_dtype) * up,)
+    return (ACTIVATIONS[activation](gate.astype(jnp.float32)).astype(out_dtype) * up,)
 
 
 def _finish_each(products, biases, out_dtype):
@@ -167,6 +176,7 @@ class _Layout:
     paged: bool = False  # the products go to pages (PageWrite), not to outputs
     residual: bool = False  # a block of the residual stream follows the RoPE operands
     x_norm: float | None = None  # x is RMS-normed first (its eps; the weight last of all)
+    activation: str = "silu"  # of a gated call's gate
 
     @property
     def weights(self) -> int:
@@ -229,7 +239,7 @@ def _products(x, w_refs, columns) -> list:
 
 def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout: _Layout):
     dtype = out_refs[0].dtype
-    outs = (finish_gated(products, dtype) if layout.gated
+    outs = (finish_gated(products, dtype, layout.activation) if layout.gated
             else _finish_each(products,
                               [b[:, columns] for b in b_refs] or [None] * len(products), dtype))
     if residual:
@@ -429,7 +439,8 @@ def _groups(weights: tuple, layer) -> tuple:
 
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
-          pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None):
+          pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None,
+          activation: str = "silu"):
     check_projection_shapes(x, weights, biases, layer)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
@@ -451,7 +462,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     chunk = first_chunk_columns(width, blocks)
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
-                     pages is not None, residual is not None, x_norm and x_norm.eps)
+                     pages is not None, residual is not None, x_norm and x_norm.eps, activation)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
@@ -682,11 +693,13 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
-             name: str = "gate_up", blocks: ProjectionBlocks | None = None, interpret=False):
-    """SiLU(x @ w_gate) * (x @ w_up), in x's dtype: the MLP's input to its down projection.
-    `layer` and `x_norm` as in `project`."""
+             name: str = "gate_up", blocks: ProjectionBlocks | None = None, interpret=False,
+             activation: str = "silu"):
+    """activation(x @ w_gate) * (x @ w_up), in x's dtype (SiLU, or Gemma's GeGLU): the MLP's
+    input to its down projection. `layer` and `x_norm` as in `project`."""
     (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
-                   blocks=blocks, rope=None, interpret=interpret, x_norm=x_norm)
+                   blocks=blocks, rope=None, interpret=interpret, x_norm=x_norm,
+                   activation=activation)
     return out
 
 
@@ -731,14 +744,15 @@ def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:
 
 
 def gated_up_reference(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
-                       name: str = "gate_up", blocks=None, interpret=False):
+                       name: str = "gate_up", blocks=None, interpret=False,
+                       activation: str = "silu"):
     """Plain JAX, the same contract."""
     del name, blocks, interpret
     check_projection_shapes(x, (w_gate, w_up), (), layer)
     x = _normed_reference(x, x_norm)
     products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
                 for w in _at_layer((w_gate, w_up), layer)]
-    return finish_gated(products, x.dtype)[0]
+    return finish_gated(products, x.dtype, activation)[0]
 
 
 def _normed_reference(x, x_norm: InputNorm | None):

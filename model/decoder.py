@@ -19,11 +19,11 @@ from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.mlp_kernel import mlp_kernel_applies
 from kernels.ragged_paged_attention import page_blocks, written_pages
 from kernels.projection_kernel import (
+    ACTIVATIONS,
     InputNorm,
     PageWrite,
     norm_fits,
     projection_kernel_applies,
-    silu,
 )
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, rope_angles, rope_kernel_applies, rope_lane_tables
@@ -281,13 +281,6 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
     return y if cos is None else apply_rope(y, cos, sin, feature_major=True)
 
 
-def gelu_tanh(x):
-    return jax.nn.gelu(x, approximate=True)
-
-
-ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
-
-
 def _mlp(activation: Callable, project: Project, gated_up: Callable | None, h,
          shards: ShardPlan, residual):
     """`residual` plus the MLP of h (None: the MLP alone). `gated_up`: h -> SiLU(h @ w_gate) *
@@ -332,12 +325,10 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
 
 
 def _family_kernels(cfg: ModelConfig, kernels: KernelSet) -> KernelSet:
-    """The MLP kernels compute SiLU and add the residual to the MLP's output: a GeGLU's
-    product is XLA's ops on the gate and up projection's kernel; Gemma 2's and 3's norms on
-    the outputs leave the output projection and the MLP apart (`_sandwiched_sublayers`)."""
-    if cfg.activation != "silu":
-        kernels = kernels._replace(gated_up=None, mlp=None, out_and_mlp=None)
-    if cfg.sandwich_norms:
+    """The MLP kernels compute SiLU and add the residual to the MLP's output: a GeGLU runs
+    in the gate and up kernel, then the down projection's; Gemma 2's and 3's norms on the
+    outputs leave the output projection and the MLP apart (`_sandwiched_sublayers`)."""
+    if cfg.activation != "silu" or cfg.sandwich_norms:
         kernels = kernels._replace(mlp=None, out_and_mlp=None)
     return kernels
 
@@ -403,7 +394,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
             h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
             gated_up = kernels.gated_up and functools.partial(
                 kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"],
-                layer=layer, x_norm=h_norm, name="gate_up")
+                layer=layer, x_norm=h_norm, name="gate_up", activation=cfg.activation)
             x = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
 
@@ -421,7 +412,7 @@ def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSe
         h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
         gated_up = kernels.gated_up and functools.partial(
             kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-            x_norm=h_norm, name="gate_up")
+            x_norm=h_norm, name="gate_up", activation=cfg.activation)
         out = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=None)
         return x + _norm(cfg, out, lp["mlp_out_norm"], feature_major)
 

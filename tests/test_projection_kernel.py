@@ -10,6 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels.backends import select_kernels
 from kernels.projection_kernel import (
+    ACTIVATIONS,
     ProjectionBlocks,
     gated_up,
     gated_up_reference,
@@ -50,7 +51,7 @@ def test_references_are_the_models_xla_path(dtype):
     got = model(x, (("wk", "bk"), ("wv", "bv")), "project_kv")
     for g, w in zip(got, project_reference(x, (wk, wv), (bk, bv))):
         np.testing.assert_array_equal(_f32(g), _f32(w))
-    mlp = decoder._mlp(decoder.silu, model, None, x, ShardPlan(), residual=x)
+    mlp = decoder._mlp(ACTIVATIONS["silu"], model, None, x, ShardPlan(), residual=x)
     want = project_reference(gated_up_reference(x, gate, up), (down,), residual=x)[0]
     np.testing.assert_array_equal(_f32(mlp), _f32(want))
 
@@ -494,3 +495,26 @@ def test_the_first_step_waits_for_its_weights_two_chunks_at_a_time():
     assert [list(g) for g in first_step_waits(4)] == [[0], [1, 2], [3]]
     assert [list(g) for g in first_step_waits(1)] == [[0]]
     assert sorted(c for g in first_step_waits(9) for c in g) == list(range(9))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemmas_geglu_in_the_gate_and_up_kernel(dtype):
+    """Gemma's GeGLU (tanh-approximated GELU of the gate, times up) in the gate and up
+    kernel, the gate rounded first as the model's XLA ops: in the TPU interpreter as its
+    reference, not SiLU's product; and through Mosaic's compiler for v6e."""
+    x, gate, up = _arrays(dtype, 21, (64, 256), (256, 512), (256, 512))
+    got = gated_up(x, gate, up, activation="gelu_tanh", interpret=pltpu.InterpretParams())
+    want = gated_up_reference(x, gate, up, activation="gelu_tanh")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    np.testing.assert_allclose(_f32(got), _f32(want), **tol)
+    g = _f32(jnp.dot(x, gate, preferred_element_type=jnp.float32).astype(dtype))
+    u = _f32(jnp.dot(x, up, preferred_element_type=jnp.float32).astype(dtype))
+    geglu = ACTIVATIONS["gelu_tanh"](g) * u
+    np.testing.assert_allclose(_f32(want), geglu, rtol=2e-2, atol=2e-2)
+    silu = _f32(gated_up_reference(x, gate, up))
+    assert np.abs(silu - _f32(want)).max() > 0.05 * np.abs(_f32(want)).max()
+    sds = jax.ShapeDtypeStruct
+    compiled = compile_for_v6e(
+        lambda x, g, u: gated_up(x, g, u, activation="gelu_tanh"), sds((512, 1024), dtype),
+        sds((1024, 2048), dtype), sds((1024, 2048), dtype))
+    assert mosaic_kernels(compiled) == ["gate_up"]
