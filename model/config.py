@@ -49,9 +49,9 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window W (key k seen from q
     #                                      iff q - k < W, by logical position), NO_WINDOW: all;
     #                                      () : no layer has one
-    local_rope_theta: float = 0.0  # RoPE base of the windowed layers; 0: rope_theta
-    rope_factor: float = 1.0       # linear RoPE scaling (positions / factor) of the layers
-    #                                without a window
+    local_rope_theta: float = 0.0  # RoPE base of the windowed layers, unscaled (Gemma 3's);
+    #                                0: theirs is the other layers' (rope_theta, rope_factor)
+    rope_factor: float = 1.0       # linear RoPE scaling (positions / factor)
 
     def __post_init__(self):
         if self.family not in _FAMILIES.values():
@@ -93,8 +93,7 @@ class ModelConfig:
     @property
     def local_rope(self) -> bool:
         """Whether windowed layers rotate by other RoPE tables than the rest."""
-        return self.windowed and ((self.local_rope_theta or self.rope_theta) != self.rope_theta
-                                  or self.rope_factor != 1.0)
+        return self.windowed and self.local_rope_theta > 0
 
     @property
     def output_size(self) -> int:
@@ -145,8 +144,7 @@ def config_from_hf(raw: dict) -> ModelConfig:
         final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
         query_scale=float(raw.get("query_pre_attn_scalar") or 0.0) if family in _GEMMAS else 0.0,
         layer_windows=windows,
-        local_rope_theta=local_rope[0] if any(windows) and local_rope[0] != global_rope[0]
-        else 0.0,
+        local_rope_theta=_local_rope_theta(family, windows, global_rope, local_rope),
         rope_factor=global_rope[1],
     )
 
@@ -187,10 +185,26 @@ def _layer_windows(raw: dict, family: str, layers: int) -> tuple[int, ...]:
     return tuple(int(window) if kind == _SLIDING else NO_WINDOW for kind in kinds)
 
 
+def _local_rope_theta(family: str, windows: tuple, full: tuple, local: tuple) -> float:
+    """Gemma 3's windowed layers rotate by their own base, unscaled; another family's by the
+    full layers' RoPE (a config that says otherwise is refused)."""
+    if not any(windows):
+        return 0.0
+    if family == "gemma3":
+        if local[1] != 1.0:
+            raise ValueError("rope_parameters: scaling of sliding_attention layers is not "
+                             "supported")
+        return local[0]
+    if local != full:
+        raise ValueError(f"rope_parameters: {family}'s layer types rotate alike here; "
+                         f"sliding {local} and full {full} differ")
+    return 0.0
+
+
 def _ropes(raw: dict, family: str) -> tuple[tuple[float, float], tuple[float, float]]:
     """(theta, linear factor) of the full-attention layers and of the windowed ones: from
-    `rope_parameters` per layer type (transformers 5), or `rope_theta`, `rope_scaling` (the
-    full layers') and Gemma 3's `rope_local_base_freq`."""
+    `rope_parameters` per layer type (transformers 5), or `rope_theta`, `rope_scaling` (every
+    layer's, but Gemma 3's windowed ones) and Gemma 3's `rope_local_base_freq`."""
     params = raw.get("rope_parameters")
     if params and _FULL in params:
         full, local = params[_FULL], params.get(_SLIDING, params[_FULL])
@@ -199,7 +213,8 @@ def _ropes(raw: dict, family: str) -> tuple[tuple[float, float], tuple[float, fl
                                               else None)
         full = {"rope_theta": raw.get("rope_theta", (params or {}).get("rope_theta", 10000.0)),
                 **(scaling or {})}
-        local = {"rope_theta": raw.get("rope_local_base_freq", full["rope_theta"])}
+        local = ({"rope_theta": raw.get("rope_local_base_freq", full["rope_theta"])}
+                 if family == "gemma3" else full)
     return _rope(full), _rope(local)
 
 

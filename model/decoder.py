@@ -442,7 +442,7 @@ def _ropes(cfg: ModelConfig, positions, tables: Callable) -> _Ropes:
     full = tables(_scaled(positions, cfg.rope_factor), cfg.head_dim, cfg.rope_theta)
     if not cfg.local_rope:
         return _Ropes(full)
-    return _Ropes(full, tables(positions, cfg.head_dim, cfg.local_rope_theta or cfg.rope_theta))
+    return _Ropes(full, tables(positions, cfg.head_dim, cfg.local_rope_theta))
 
 
 def _scaled(positions, factor: float):

@@ -90,6 +90,17 @@ def test_gemma3_configs_of_both_forms_read_the_same():
     assert a.sm_scale == 32 ** -0.5 and a.tie_word_embeddings
 
 
+def test_a_mistral_with_linear_rope_scaling_scales_its_windowed_layers_too():
+    """Only Gemma 3's windowed layers rotate by RoPE of their own."""
+    cfg = config_from_hf(hf_config("mistral", rope_scaling={"rope_type": "linear",
+                                                            "factor": 2.0}))
+    assert cfg.windowed and cfg.rope_factor == 2.0 and not cfg.local_rope
+    with pytest.raises(ValueError, match="rotate alike"):
+        config_from_hf(hf_config("mistral", rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}}))
+
+
 def test_gemma2_windows_alternate_and_mistral_without_one_has_none():
     gemma2 = config_from_hf(hf_config("gemma2", num_hidden_layers=4))
     assert gemma2.layer_windows == (WINDOW, NO_WINDOW, WINDOW, NO_WINDOW)
