@@ -318,11 +318,10 @@ def _step_tiles(pos, vis, logical, seg: _Segments, segment, step_seq, step_kv, s
     t = jnp.arange(len(pos), dtype=jnp.int32)
     tile_row = t % sizes.q_block // sizes.tile
     shared = _lookup(shared_lens, step_seq)
-    bits = jnp.zeros_like(step_kv)
+    bits, never = jnp.zeros_like(step_kv), jnp.iinfo(jnp.int32).max
     for r in range(n_rows):
         rows = tile_row == r
         p_max = _lookup(seg.reduce(jnp.max, pos, -1, rows), segment)
-        never = jnp.iinfo(jnp.int32).max
         vis_min = _lookup(seg.reduce(jnp.min, vis, never, rows), segment)
         near = _lookup(seg.reduce(jnp.min, logical, never, rows), segment) - window
         for c in range(n_keys):
@@ -420,10 +419,12 @@ def plan_attention(md, sizes: BlockSizes, page_size: int, window: int = 0):
     n_seqs, pages_per_seq = md.page_indices.shape
     max_steps, max_items = _bounds(len(md.visible_from), n_seqs, pages_per_seq * page_size,
                                    sizes, page_size)
-    plans = [_plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes=sizes,
-                   max_steps=max_steps, page_size=page_size, max_item_steps=max_items,
-                   window=w)[0] for w in ((0, window) if window else (0,))]
-    return md._replace(plan=plans[0], window_plan=plans[1] if window else None)
+    def plan(w: int) -> AttentionPlan:
+        return _plan(md.cu_q_lens, md.kv_lens, md.shared_lens, md.visible_from, sizes=sizes,
+                     max_steps=max_steps, page_size=page_size, max_item_steps=max_items,
+                     window=w)[0]
+
+    return md._replace(plan=plan(0), window_plan=plan(window) if window else None)
 
 
 def host_plan(md, sizes: BlockSizes, page_size: int, window: int = 0) -> AttentionPlan:

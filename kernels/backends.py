@@ -48,8 +48,7 @@ def select_kernels(backend: str, *, sm_scale: float, max_q_len: int,
     work following the real rows and visible KV blocks; pallas: the TPU kernels; interpret:
     the same kernels in the TPU interpreter (CPU tests). All but reference need
     metadata.plan. `softcap`: the attention scores' (Gemma 2's; 0: none)."""
-    kw = dict(sm_scale=sm_scale, max_q_len=max_q_len, **({"softcap": softcap} if softcap
-                                                          else {}))
+    kw = dict(sm_scale=sm_scale, max_q_len=max_q_len, softcap=softcap)
     if backend == "reference":
         return KernelSet(write_kv_pages,
                          functools.partial(ragged_paged_attention_reference, **kw),

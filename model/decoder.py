@@ -283,8 +283,8 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
 
 def _mlp(activation: Callable, project: Project, gated_up: Callable | None, h,
          shards: ShardPlan, residual):
-    """`residual` plus the MLP of h (None: the MLP alone). `gated_up`: h -> SiLU(h @ w_gate) *
-    (h @ w_up) in one kernel; None: XLA's ops, with `activation` (of ACTIVATIONS)."""
+    """`residual` plus the MLP of h (None: the MLP alone). `gated_up`: h -> activation(h @
+    w_gate) * (h @ w_up) in one kernel; None: XLA's ops, with `activation` (of ACTIVATIONS)."""
     if gated_up is None:
         gate, up = project(h, (("w_gate", None), ("w_up", None)), "gate_up")
         h = activation(gate.astype(jnp.float32)).astype(up.dtype) * up
@@ -313,23 +313,14 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
     """The MLP's kernel where it takes this shard's weights, after the output projection
     where those fit too and the layer has no output bias, on one chip (else the output
     projection's row-split partial sums are all-reduced before its residual add)."""
-    if kernels.project is None:
-        return kernels._replace(mlp=None, out_and_mlp=None)
+    if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
+        return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
         return kernels._replace(mlp=None, out_and_mlp=None)
     if (shards.sharded or "bo" in layer_params or not mlp_kernel_applies(
             tokens, cfg.hidden_size, inner, itemsize, stacked["wo"].shape[-2])):
         return kernels._replace(out_and_mlp=None)
-    return kernels
-
-
-def _family_kernels(cfg: ModelConfig, kernels: KernelSet) -> KernelSet:
-    """The MLP kernels compute SiLU and add the residual to the MLP's output: a GeGLU runs
-    in the gate and up kernel, then the down projection's; Gemma 2's and 3's norms on the
-    outputs leave the output projection and the MLP apart (`_sandwiched_sublayers`)."""
-    if cfg.activation != "silu" or cfg.sandwich_norms:
-        kernels = kernels._replace(mlp=None, out_and_mlp=None)
     return kernels
 
 
@@ -391,12 +382,21 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         if kernels.mlp is not None:
             x = _mlp_kernel(kernels.mlp, stacked, layer, x, mlp_norm, shards)
         else:
-            h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
-            gated_up = kernels.gated_up and functools.partial(
-                kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"],
-                layer=layer, x_norm=h_norm, name="gate_up", activation=cfg.activation)
-            x = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=x)
+            x = _mlp_sublayer(cfg, kernels, lp, stacked, layer, project, x, norms_in,
+                              feature_major, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
+
+
+def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict, layer,
+                  project: Project, x, norms_in: "_NormsIn", feature_major: bool,
+                  shards: ShardPlan, residual):
+    """The MLP of x's norm (on the gate and up kernel where the backend has it), plus
+    `residual` (None: the MLP alone)."""
+    h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
+    gated_up = kernels.gated_up and functools.partial(
+        kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
+        x_norm=h_norm, name="gate_up", activation=cfg.activation)
+    return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual)
 
 
 def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, lp: dict,
@@ -409,11 +409,8 @@ def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSe
                          shards)
         x = x + _norm(cfg, out, lp["attn_out_norm"], feature_major)
     with jax.named_scope("mlp"):
-        h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
-        gated_up = kernels.gated_up and functools.partial(
-            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-            x_norm=h_norm, name="gate_up", activation=cfg.activation)
-        out = _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual=None)
+        out = _mlp_sublayer(cfg, kernels, lp, stacked, layer, project, x, norms_in,
+                            feature_major, shards, residual=None)
         return x + _norm(cfg, out, lp["mlp_out_norm"], feature_major)
 
 
@@ -499,8 +496,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
         layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
-    kernels = _family_kernels(cfg, _mlp_kernels(kernels, cfg, stacked, layer_params,
-                                                x.shape[0], shards))
+    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     ropes = _ropes(cfg, batch.positions, tables)
@@ -582,8 +578,7 @@ def _label_logits(kernels: KernelSet, rows, params: dict, cfg: ModelConfig,
     gather = functools.partial(gather_labels, kernels.gather, rows, params["final_norm"],
                                head_weight(params), batch.label_ids, shards,
                                eps=cfg.rms_norm_eps, num_rows=batch.num_rows,
-                               num_labels=batch.num_labels,
-                               **({"softcap": cfg.final_softcap} if cfg.final_softcap else {}))
+                               num_labels=batch.num_labels, softcap=cfg.final_softcap)
     return jax.lax.cond(batch.with_logsumexp, lambda: gather(with_logsumexp=True),
                         lambda: (gather(with_logsumexp=False)[0],
                                  jnp.zeros(rows.shape[0], jnp.float32)))

@@ -46,11 +46,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_layer_name(key: str, layer: int, cfg: ModelConfig | None = None) -> str:
+def hf_layer_name(key: str, layer: int, cfg: ModelConfig) -> str:
     prefix = f"model.layers.{layer}."
     if key in _LINEARS:
         return prefix + _LINEARS[key] + ".weight"
-    norms = _NORMS if cfg is None else layer_norms(cfg)
+    norms = layer_norms(cfg)
     if key in norms:
         return prefix + norms[key] + ".weight"
     if key in ("q_norm", "k_norm"):
@@ -79,7 +79,7 @@ def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:
     model's dtype (kernels.rms_norm then scales in float32)."""
     if not cfg.norm_offset:
         return w.astype(dtype)
-    return (w.astype(np.float32) + np.float32(cfg.norm_offset)).astype(np.float32)
+    return w.astype(np.float32) + np.float32(cfg.norm_offset)
 
 
 def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:

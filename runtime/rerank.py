@@ -131,17 +131,18 @@ def load_template(name_or_path: str) -> RerankTemplate:
     for name, field in fields.items():
         if name not in raw and field.default is dataclasses.MISSING:
             raise ValueError(f"rerank template {name_or_path}: {name!r} is missing")
-        kinds = {"labels": (list,), "body_specials": (bool,),
-                 "prefix": (str, list), "body": (str, list), "suffix": (str, list)}
-        if not isinstance(raw.get(name, field.default), kinds.get(name, (str,))):
+        kinds = _FIELD_KINDS.get(name, (str,))
+        if not isinstance(raw.get(name, field.default), kinds):
             raise ValueError(f"rerank template {name_or_path}: {name!r} must be "
-                             f"{_KIND_WORDS[kinds.get(name, (str,))]}")
+                             f"{_KIND_WORDS[kinds]}")
     try:
         return RerankTemplate(**{**raw, "labels": tuple(raw["labels"])})
     except ValueError as e:
         raise ValueError(f"rerank template {name_or_path}: {e}") from None
 
 
+_FIELD_KINDS = {"labels": (list,), "body_specials": (bool,), "prefix": (str, list),
+                "body": (str, list), "suffix": (str, list)}  # the rest: (str,)
 _KIND_WORDS = {(list,): "a list of label strings", (bool,): "true or false",
                (str, list): "a string or a list of strings", (str,): "a string"}
 

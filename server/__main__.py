@@ -8,12 +8,12 @@ import signal
 
 from absl import app, flags, logging
 
+from model.loader import embedded_model_path
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from server import engine_flags
 from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
 from server.app import ScoreServer, ServerConfig
-from model.loader import embedded_model_path
 from server.engine_flags import define_engine_flags, served_model_name, start_engine
 from server.http import Limits
 
@@ -72,7 +72,7 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
     listener = await server.start(FLAGS.host, FLAGS.port)
     port = listener.sockets[0].getsockname()[1]
     logging.info("%s", server.describe_routes())
-    logging.info("serving %s: %s, on http://%s:%d", served_model_name(), engine.describe(),
+    logging.info("serving %s: %s, on http://%s:%d", config.model_name, engine.describe(),
                  FLAGS.host, port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
