@@ -414,6 +414,13 @@ def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSe
         return x + _norm(cfg, out, lp["mlp_out_norm"], feature_major)
 
 
+def plan_windows(cfg: ModelConfig) -> list[int]:
+    """The window each layer's attention plan is built for: the model's widest where the layer
+    has one (one plan serves them all, `_layer_plan`), else 0."""
+    widest = max(cfg.layer_windows, default=0)
+    return [widest if w else 0 for w in (cfg.layer_windows or (0,) * cfg.num_layers)]
+
+
 def _layer_plan(md, window):
     """The metadata with the plan of this layer's kind: a windowed layer's skips the KV
     blocks its window hides from every row of a step (kernels.attention_plan)."""

@@ -47,6 +47,7 @@ from kernels.label_gather_kernel import label_rows_cost, streamed_cost, streamed
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.ragged_paged_attention_xla import block_rows
 from model.config import ModelConfig
+from model.decoder import plan_windows
 from profiling.v6e.forward_estimate import forward_estimate, v6e_batch
 from profiling.v6e.roofline import roofline
 from profiling.timing import WALL_CLOCK, interleaved_rounds, subdir, wall_time, write_json
@@ -81,17 +82,19 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng, page: int = 1) -> list:
-    """Sequences of SGLang's shape totalling at most `tokens` tokens, each counted in whole
-    `page`s (a page-aligned batch's: runtime.buckets)."""
+def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng, page: int = 1,
+         query_len: int = QUERY, items: int = ITEMS) -> list:
+    """Sequences of SGLang's shape (or `query_len` and `items` of ITEM tokens) totalling at
+    most `tokens` tokens, each counted in whole `page`s (a page-aligned batch's:
+    runtime.buckets)."""
     seqs, left, rows = [], tokens, 0
     while left > 1 and len(seqs) < max_seqs:
-        length = min(left, QUERY + ITEMS * ITEM)
+        length = min(left, query_len + items * ITEM)
         if pages_needed(length, page) * page > left:
             length = left // page * page
         if length < 2:
             break
-        query = min(QUERY, length - 1)
+        query = min(query_len, length - 1)
         rest = length - query
         n_items = min(-(-rest // ITEM), max_rows - rows)
         if n_items == 0:
@@ -103,12 +106,12 @@ def fill(tokens: int, max_seqs: int, max_rows: int, vocab: int, rng, page: int =
     return seqs
 
 
-def filled_batch(engine_cfg: EngineConfig, vocab: int, rng) -> tuple[list, list]:
-    """`fill`'s sequences for one forward of `engine_cfg`'s budget as a TPU server batches
-    them (each sequence's tokens in whole pages), on pages (`paged`), and their rows' labels
-    (LABELS of them, the same for every row)."""
+def filled_batch(engine_cfg: EngineConfig, vocab: int, rng, **shape) -> tuple[list, list]:
+    """`fill`'s sequences (`shape`: its query_len and items) for one forward of `engine_cfg`'s
+    budget as a TPU server batches them (each sequence's tokens in whole pages), on pages
+    (`paged`), and their rows' labels (LABELS of them, the same for every row)."""
     seqs = fill(engine_cfg.max_prefill_tokens, engine_cfg.max_seqs, engine_cfg.max_rows, vocab,
-                rng, engine_cfg.page_size)
+                rng, engine_cfg.page_size, **shape)
     labels = [rng.integers(0, vocab, LABELS).tolist()] * sum(len(s.score_rows) for s in seqs)
     return paged(seqs, engine_cfg.page_size), labels
 
@@ -201,15 +204,17 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, p
     """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
-    attn = attention_work(cfg, host_plan(batch.attention, sizes, page_size), sizes, itemsize,
-                          backend)
+    per_layer = plan_windows(cfg)
+    by_window = {w: attention_work(cfg, host_plan(batch.attention, sizes, page_size, w), sizes,
+                                   itemsize, backend) for w in set(per_layer)}
+    attn = [by_window[w] for w in per_layer]
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
     layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(
         (params["layers"], params.get("layer_matrices"))))
     kv_written = 2 * tokens * kvd * itemsize * cfg.num_layers
-    flops = cfg.num_layers * (dense + attn.flops) + gather.flops
-    hbm = (layer_weights + tokens * h * itemsize + cfg.num_layers * attn.bytes_accessed
+    flops = cfg.num_layers * dense + sum(a.flops for a in attn) + gather.flops
+    hbm = (layer_weights + tokens * h * itemsize + sum(a.bytes_accessed for a in attn)
            + kv_written + gather.bytes_accessed)
     return flops, hbm
 

@@ -217,6 +217,39 @@ def test_the_forwards_attention_work_counts_the_rows_the_xla_block_steps_take(em
     assert xla.flops * sizes.q_block == pallas.flops * 16 > 0
 
 
+def test_a_windowed_models_work_counts_each_layer_at_its_plan():
+    """Gemma-3-1B's shape on v6e blocks, a 2048-token bucket of one 1024-token query and 56
+    items: its 22 windowed layers (W = 512) run the window's plan, the 4 others the full one;
+    the window hides half the query's keys from the items' rows, a third of the work."""
+    import dataclasses
+
+    import numpy as np
+
+    from kernels.attention_plan import host_plan
+    from model.decoder import plan_windows
+    from model.params import param_shapes
+    from profiling.bench_forward import attention_work, filled_batch, work
+    from profiling.bench_host_work import bucket_config
+    from profiling.v6e.compile import WINDOWED_MODELS
+    from profiling.v6e.forward_estimate import v6e_batch
+    cfg = WINDOWED_MODELS["Gemma-3-1B"]
+    assert plan_windows(cfg) == [0 if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    engine_cfg = bucket_config(2048, "bfloat16")
+    entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0),
+                                   query_len=1024, items=56)
+    assert len(entries[0].seq.score_rows) == 56
+    _, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    params = {"layers": {k: np.empty(0) for k in param_shapes(cfg)["layers"]}}
+    args = (batch, 2048, len(labels), sizes, engine_cfg.page_size, True, 2, "pallas")
+    windowed, unwindowed = (work(c, params, *args)[0]
+                            for c in (cfg, dataclasses.replace(cfg, layer_windows=())))
+    full, window = (attention_work(cfg, host_plan(batch.attention, sizes, engine_cfg.page_size,
+                                                  w), sizes, 2, "pallas").flops
+                    for w in (0, 512))
+    assert window < 0.75 * full
+    assert unwindowed - windowed == pytest.approx(22 * (full - window))
+
+
 def test_bench_layer_layout_times_every_layout_on_the_same_work(model_dirs, tmp_path):
     out = tmp_path / "layouts.json"
     subprocess.run([sys.executable, "-m", "profiling.bench_layer_layout", "--model-path",

@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from model.config import ModelConfig
-from model.gguf_loader import gguf_tokenizer
+from model.gguf_tokenizer import gguf_tokenizer
 from model.loader import embedded_model_path
 from model.tokenizer import TextTokenizer
 from runtime.engine import Engine, _reranker, _then

@@ -2,16 +2,18 @@
 schedule: a model, no TPU ran it).
 
 python -m profiling.v6e.forward_breakdown [--models Qwen3-0.6B,Llama-3.2-1B]
-    [--buckets 512,2048] [--out breakdown.json]
+    [--buckets 512,2048] [--query_tokens 120 --items 10] [--out breakdown.json]
 
 Per model and bucket: the server's program for a batch of SGLang's shape (120-token queries,
-items of 18 tokens, 2 labels, the bucket filled; profiling.bench_forward's `fill`) in bfloat16
-on one v6e chip, its estimate against the roofline of its work, and per level of the program
-(outside the layer loop, one layer) each kernel at its estimate and each XLA op of 500
-bundles or more: the named scope it came from, what it fuses, its bundles and time at the
-clock, and its own MXU bound (its dots' FLOPs at 918 TFLOP/s) and HBM bound (its DMA bytes at
-1.64 TB/s). An op whose bundles are far above both bounds is issue-bound: the schedule, not
-the MXU or HBM, sets its time.
+10 items of 18 tokens, 2 labels, the bucket filled; profiling.bench_forward's `fill`; or
+queries and items of other lengths) in bfloat16 on one v6e chip, its estimate against the
+roofline of its work, and per level of the program (outside the layer loop, one layer; a
+model with sliding windows: its attention a layer on average, full and windowed layers each
+at their plan's steps) each kernel at its estimate and each XLA op of 500 bundles or more:
+the named scope it came from, what it fuses, its bundles and time at the clock, and its own
+MXU bound (its dots' FLOPs at 918 TFLOP/s) and HBM bound (its DMA bytes at 1.64 TB/s). An op
+whose bundles are far above both bounds is issue-bound: the schedule, not the MXU or HBM,
+sets its time.
 """
 import dataclasses
 
@@ -21,7 +23,7 @@ import numpy as np
 from absl import app, flags
 
 from model.params import param_shapes
-from profiling.bench_forward import filled_batch, v6e_estimate
+from profiling.bench_forward import ITEM, ITEMS, QUERY, filled_batch, v6e_estimate
 from profiling.bench_host_work import bucket_config
 from profiling.timing import write_json
 from profiling.v6e.compile import STUDY_MODELS, WINDOWED_MODELS
@@ -34,16 +36,21 @@ def define_flags() -> None:
     flags.DEFINE_list("models", ["Qwen3-0.6B"], f"of {sorted(STUDY_MODELS)} or "
                       f"{sorted(WINDOWED_MODELS)}")
     flags.DEFINE_list("buckets", ["512", "2048"], "forward sizes in tokens")
+    flags.DEFINE_integer("query_tokens", QUERY, "each sequence's query (SGLang's: 120; a long "
+                         "one shows what a sliding window skips)")
+    flags.DEFINE_integer("items", ITEMS, f"each sequence's items, of {ITEM} tokens")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def breakdown(model: str, bucket: int) -> dict:
+def breakdown(model: str, bucket: int, query_len: int = QUERY, items: int = ITEMS) -> dict:
     cfg, engine_cfg = {**STUDY_MODELS, **WINDOWED_MODELS}[model], bucket_config(bucket, "bfloat16")
-    entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0))
+    entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0),
+                                   query_len=query_len, items=items)
     params = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16),
                           param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     estimate = v6e_estimate(cfg, engine_cfg, params, entries, labels, with_lse=True)
-    return {"model": model, "bucket": bucket, "config": dataclasses.asdict(cfg), **estimate}
+    return {"model": model, "bucket": bucket, "query_tokens": query_len, "items": items,
+            "config": dataclasses.asdict(cfg), **estimate}
 
 
 def print_breakdown(r: dict) -> None:
@@ -52,6 +59,12 @@ def print_breakdown(r: dict) -> None:
     kernels = "; ".join(f"{name} {k['v6e_estimate_s'] * 1e6:.1f} us"
                         for name, k in r["kernels"].items())
     print(f"  kernels a call: {kernels}")
+    attention = r["kernels"]["attention"]
+    if "windowed_layer" in attention:
+        window = attention["windowed_layer"]
+        print(f"  attention: a full layer {attention['plan_steps']} steps, "
+              f"{attention['full_layer_s'] * 1e6:.1f} us; a windowed one "
+              f"{window['plan_steps']} steps, {window['v6e_estimate_s'] * 1e6:.1f} us")
     for level in r["levels"]:
         print(f"  x{level['trips']:.0f}: {level['seconds_per_trip'] * 1e6:.1f} us a trip, "
               f"kernels {level['kernels_s'] * 1e6:.1f} us, XLA ops "
@@ -65,7 +78,8 @@ def print_breakdown(r: dict) -> None:
 
 def main(argv) -> None:
     del argv
-    rows = [breakdown(model, int(bucket)) for model in FLAGS.models for bucket in FLAGS.buckets]
+    rows = [breakdown(model, int(bucket), FLAGS.query_tokens, FLAGS.items)
+            for model in FLAGS.models for bucket in FLAGS.buckets]
     for r in rows:
         print_breakdown(r)
     write_json({"note": "v6e estimates from the compiled schedule; no TPU ran them",

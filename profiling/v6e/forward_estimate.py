@@ -24,6 +24,7 @@ from model.decoder import (
     ROTATED_PROJECTIONS,
     block_page_ids,
     norms_in_kernels,
+    plan_windows,
     pool_head_dim,
     projection_shapes,
 )
@@ -88,8 +89,8 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
                  if "kv_write" in kernels else {}),
               **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
                  else {}),
-              **{name: kernels[name]["v6e_estimate_s"] for name in (*projection_shapes(cfg),
-                                                                    "mlp", "out_and_mlp") if name in kernels},
+              **{name: kernels[name]["v6e_estimate_s"]
+                 for name in (*projection_shapes(cfg), "mlp", "out_and_mlp") if name in kernels},
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
     levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
@@ -137,11 +138,7 @@ def _op_row(name: str, cost, facts) -> dict:
 def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_size: int,
                       schedules: dict, labels, with_lse: bool) -> dict:
     """Each kernel of the forward at the batch's real work."""
-    plan, d = host_plan(batch.attention, sizes, page_size), pool_head_dim(cfg, "pallas")
-    steps = visited_kv_blocks(plan)
-    attn_blocks = AttentionBlocks(sizes.q_block * cfg.num_heads // cfg.num_kv_heads,
-                                  cfg.num_kv_heads, d, sizes, 2)
-    attn = attn_blocks.cost(plan)
+    d = pool_head_dim(cfg, "pallas")
     page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
     real_pages = int(np.sum(page_ids < _POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
@@ -174,12 +171,33 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         real_pages, cfg.num_kv_heads * page_size * d * 2)}
     return {
         **rope, **projections, **mlp, **kv_write,
-        "attention": attention_estimate(
-            schedules["ragged_paged_attention"], plan, steps, attn.bytes_accessed, attn_blocks,
-            whole_block_steps(plan, batch.attention, sizes, page_size, _POOL_PAGES)),
+        "attention": _attention_estimate(cfg, batch, sizes, page_size,
+                                         schedules["ragged_paged_attention"]),
         "gather": {"mode": mode, **label_gather_estimate(
             schedules[GATHER_KERNELS[mode]], mode, rows, cfg.vocab_size, cfg.hidden_size,
             n_labels, gather_cost.bytes_accessed)}}
+
+
+def _attention_estimate(cfg: ModelConfig, batch, sizes, page_size: int, schedule) -> dict:
+    """The attention kernel a layer, on average: the full layers run the batch's plan, the
+    windowed ones (`cfg.layer_windows`) the window's, which leaves out what it hides."""
+    blocks = AttentionBlocks(sizes.q_block * cfg.num_heads // cfg.num_kv_heads,
+                             cfg.num_kv_heads, pool_head_dim(cfg, "pallas"), sizes, 2)
+
+    def at(window: int) -> dict:
+        plan = host_plan(batch.attention, sizes, page_size, window)
+        return {"plan_steps": visited_kv_blocks(plan), **attention_estimate(
+            schedule, plan, visited_kv_blocks(plan), blocks.cost(plan).bytes_accessed, blocks,
+            whole_block_steps(plan, batch.attention, sizes, page_size, _POOL_PAGES))}
+
+    per_layer = plan_windows(cfg)
+    by_window = {w: at(w) for w in sorted(set(per_layer))}
+    if len(by_window) == 1:
+        return by_window[per_layer[0]]
+    mean = sum(by_window[w]["v6e_estimate_s"] for w in per_layer) / len(per_layer)
+    return {**by_window[0], "v6e_estimate_s": mean,
+            "full_layer_s": by_window[0]["v6e_estimate_s"],
+            "windowed_layer": by_window[max(by_window)]}
 
 
 def _page_runs(batch, blocks, page_size: int) -> PageRuns:
