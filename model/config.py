@@ -17,6 +17,7 @@ _GEMMAS = ("gemma", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_tanh")
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 NO_WINDOW = 0  # a layer's window: every earlier key (`ModelConfig.layer_windows`)
+QUANTIZATIONS = ("", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ModelConfig:
     local_rope_theta: float = 0.0  # RoPE base of the windowed layers, unscaled (Gemma 3's);
     #                                0: theirs is the other layers' (rope_theta, rope_factor)
     rope_factor: float = 1.0       # linear RoPE scaling (positions / factor)
+    quantization: str = ""         # "int8": W8A8, the layers' projections and MLP in int8
+    #                                (kernels.int8); "": none
 
     def __post_init__(self):
         if self.family not in _FAMILIES.values():
@@ -74,6 +77,9 @@ class ModelConfig:
         for name in ("attn_softcap", "final_softcap", "query_scale", "local_rope_theta"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config {name} must not be negative, got {getattr(self, name)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
         if self.rope_factor <= 0:
             raise ValueError(f"rope_factor must be positive, got {self.rope_factor}")
 
@@ -115,6 +121,10 @@ def config_from_hf(raw: dict) -> ModelConfig:
     family, is_classifier = parse_architecture(raw.get("architectures"))
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "unnamed")
+        raise ValueError(f"quantization_config {method!r} is not supported: give a 16- or "
+                         "32-bit checkpoint (--quantization int8 quantizes it at load)")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
     layers = raw["num_hidden_layers"]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention_plan import BlockSizes, plan_attention
+from kernels.int8 import SCALE_SUFFIX, dequantized, int8_matmul, quantize_tokens
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.mlp_kernel import mlp_kernel_applies
 from kernels.ragged_paged_attention import page_blocks, written_pages
@@ -75,15 +76,36 @@ def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool) -> 
     or, with per-layer matrices (model.params.per_layer_matrices, [out, in]), a switch on the
     layer whose branches each read their own array, so that no weight is copied first. An
     `epilogue` runs on the product inside the branch, where XLA fuses it with nothing after
-    the switch."""
+    the switch. An int8 weight (its scales `lp[name + SCALE_SUFFIX]`) multiplies x quantized
+    per token, and its int32 product is dequantized before the epilogue (kernels.int8)."""
     def stacked(x, name, epilogue=_product, operands=()):
-        return epilogue(jnp.dot(x, lp[name], preferred_element_type=jnp.float32), *operands)
+        scale = lp.get(name + SCALE_SUFFIX)
+        y = (jnp.dot(x, lp[name], preferred_element_type=jnp.float32) if scale is None
+             else int8_matmul(x, lp[name], scale))
+        return epilogue(y, *operands)
 
     def per_layer(x, name, epilogue=_product, operands=()):
+        scale = lp.get(name + SCALE_SUFFIX)
+        if scale is not None:
+            x, x_scale = quantize_tokens(x, axis=0 if feature_major else 1)
+            epilogue, operands = (_dequantizing(epilogue, feature_major),
+                                  (x_scale, scale, *operands))
         branches = _dot_branches(len(matrices), feature_major, epilogue)
         return jax.lax.switch(layer, branches, x, tuple(m[name] for m in matrices), *operands)
 
     return stacked if matrices is None else per_layer
+
+
+@functools.cache
+def _dequantizing(epilogue: Callable, feature_major: bool) -> Callable:
+    """`epilogue` after an int32 product's dequantization: one function a pair (a branch's
+    trace is reused, `_dot_branches`)."""
+    return functools.partial(_dequantized_epilogue, epilogue, feature_major)
+
+
+def _dequantized_epilogue(epilogue: Callable, feature_major: bool, acc, x_scale, w_scale,
+                          *operands):
+    return epilogue(dequantized(acc, x_scale, w_scale, feature_major), *operands)
 
 
 @functools.cache
@@ -99,15 +121,19 @@ def _branch(dot: Callable, epilogue: Callable, n: int, x, weights: tuple, *opera
 
 
 def _dot_token_major(n: int, x, weights: tuple):
-    """x [T, in] . weights[n] [out, in] -> [T, out]."""
+    """x [T, in] . weights[n] [out, in] -> [T, out] (int8's in int32)."""
     return jax.lax.dot_general(x, weights[n], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=_accumulator(x))
 
 
 def _dot_feature_major(n: int, x, weights: tuple):
-    """weights[n] [out, in] . x [in, T] -> [out, T]."""
+    """weights[n] [out, in] . x [in, T] -> [out, T] (int8's in int32)."""
     return jax.lax.dot_general(weights[n], x, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=_accumulator(x))
+
+
+def _accumulator(x):
+    return jnp.int32 if x.dtype == jnp.int8 else jnp.float32
 
 
 def _project(dot: Dot, x, name: str, bias=None, shards: ShardPlan | None = None,

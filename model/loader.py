@@ -43,14 +43,15 @@ def _is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def load_model(path: str | None, dtype: str = "float32"
+def load_model(path: str | None, dtype: str = "float32", quantization: str = ""
                ) -> tuple[ModelConfig, dict, TextTokenizer]:
+    """`quantization` "int8": the layers' weights quantized as they load (kernels.int8)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = path or embedded_model_path()
     if _is_gguf(path):
-        return load_gguf_model(path, DTYPES[dtype])
-    return load_hf_model(path, DTYPES[dtype])
+        return load_gguf_model(path, DTYPES[dtype], quantization)
+    return load_hf_model(path, DTYPES[dtype], quantization)
 
 
 def load_config(path: str | None) -> ModelConfig:

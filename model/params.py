@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from kernels.int8 import SCALE_SUFFIX, quantize_weight
 from model.config import ModelConfig
 
 GetTensor = Callable[[str], np.ndarray]
@@ -65,13 +66,21 @@ def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _stack(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> np.ndarray:
+def _stacked(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> dict:
+    """The layers' tensors of `key` stacked (a linear's [in, out]) in `dtype`; a linear of an
+    int8 model as its int8 values and per-channel scales (kernels.int8)."""
     per_layer = [_checked(get, hf_layer_name(key, i, cfg), shape)
                  for i in range(cfg.num_layers)]
     stacked = np.stack(per_layer).astype(np.float32)
     if key in _LINEARS:
         stacked = stacked.transpose(0, 2, 1)
-    return _norm_weight(cfg, stacked, dtype) if key in NORM_VECTORS else stacked.astype(dtype)
+        if cfg.quantization:  # a layer at a time: quantize_weight works in float64
+            layers = [quantize_weight(w, axis=0) for w in stacked]
+            return {key: np.stack([v for v, _ in layers]),
+                    key + SCALE_SUFFIX: np.stack([s for _, s in layers])}
+    if key in NORM_VECTORS:
+        return {key: _norm_weight(cfg, stacked, dtype)}
+    return {key: stacked.astype(dtype)}
 
 
 def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:
@@ -85,8 +94,8 @@ def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:
 def build_params(cfg: ModelConfig, get: GetTensor, dtype) -> dict:
     """`get(hf_name)` returns a float array; raises KeyError naming a missing tensor."""
     dtype = np.dtype(dtype)
-    layers = {key: _stack(get, cfg, key, shape, dtype)
-              for key, shape in expected_shapes(cfg).items()}
+    layers = {name: array for key, shape in expected_shapes(cfg).items()
+              for name, array in _stacked(get, cfg, key, shape, dtype).items()}
     h = cfg.hidden_size
     params = {
         "embed": _checked(get, "model.embed_tokens.weight", (cfg.vocab_size, h)).astype(dtype),
@@ -105,10 +114,29 @@ def param_shapes(cfg: ModelConfig) -> dict:
     h, n = cfg.hidden_size, cfg.num_layers
     layers = {key: (n, *(shape[::-1] if key in _LINEARS else shape))
               for key, shape in expected_shapes(cfg).items()}
+    if cfg.quantization:
+        layers.update({key + SCALE_SUFFIX: (n, shape[0])
+                       for key, shape in expected_shapes(cfg).items() if key in _LINEARS})
     shapes = {"embed": (cfg.vocab_size, h), "layers": layers, "final_norm": (h,)}
     if cfg.is_classifier or not cfg.tie_word_embeddings:
         shapes["head"] = (cfg.output_size, h)
     return shapes
+
+
+def param_dtypes(cfg: ModelConfig, dtype) -> dict:
+    """The dtypes of `build_params`'s arrays (`param_shapes`'s tree) for a model in `dtype`:
+    an int8 model's linears int8 with float32 scales, Gemma's norms float32."""
+    def of(key: str):
+        if cfg.quantization and key in _LINEARS:
+            return np.dtype(np.int8)
+        if key.endswith(SCALE_SUFFIX) or (cfg.norm_offset
+                                          and key in (*NORM_VECTORS, "final_norm")):
+            return np.dtype(np.float32)
+        return np.dtype(dtype)
+
+    shapes = param_shapes(cfg)
+    return {**{k: of(k) for k in shapes if k != "layers"},
+            "layers": {k: of(k) for k in shapes["layers"]}}
 
 
 def per_layer_matrices(params: dict) -> dict:

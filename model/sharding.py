@@ -16,6 +16,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels.int8 import SCALE_SUFFIX
 from model.batch import KVCache
 from model.config import ModelConfig
 from model.params import KV_GROUP
@@ -25,7 +26,8 @@ _COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up")  # stacked [layers, in, out]: sp
 _GROUPED_COLUMNS = (KV_GROUP,)                     # [layers, n, in, out]: split out
 _ROWS = ("wo", "w_down")                          # split in
 _BIASES = ("bq", "bk", "bv")                       # [layers, out]
-_KV = ("wk", "wv", "bk", "bv")
+_COLUMN_SCALES = tuple(k + SCALE_SUFFIX for k in _COLUMNS)  # an int8 model's, [layers, out]
+_KV = ("wk", "wv", "bk", "bv", "wk" + SCALE_SUFFIX, "wv" + SCALE_SUFFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,10 @@ def shard_plan(cfg: ModelConfig, tp: int) -> ShardPlan:
     """Raises ValueError when `cfg` cannot be split `tp` ways."""
     if tp < 1:
         raise ValueError(f"--tp-size must be >= 1, got {tp}")
+    if tp > 1 and cfg.quantization:
+        # a row-split projection's tokens would be quantized by each shard's part of the row
+        raise ValueError(f"--quantization {cfg.quantization} is not supported with --tp-size "
+                         f"> 1 yet: use --tp-size 1 (and --dp-size for more devices)")
     for name in ("num_heads", "intermediate_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"--tp-size {tp} does not divide {name}={getattr(cfg, name)}")
@@ -87,7 +93,7 @@ def param_specs(params: dict, shards: ShardPlan) -> dict:
             return P(None, None, None, TP_AXIS)
         if key in _ROWS:
             return P(None, TP_AXIS, None)
-        return P(None, TP_AXIS) if key in _BIASES else P()
+        return P(None, TP_AXIS) if key in _BIASES + _COLUMN_SCALES else P()
 
     specs = {"layers": {k: layer_spec(k) for k in params["layers"]}, "final_norm": P(),
              "embed": P(TP_AXIS) if shards.vocab_parallel else P()}

@@ -95,7 +95,8 @@ class Engine:
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):
         engine_cfg = engine_cfg.resolve_dtype(model_path, jax.devices()[0].platform)
-        cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype)
+        cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype,
+                                            engine_cfg.quantization)
         return cls(cfg, params, tokenizer, engine_cfg)
 
     def close(self) -> None:

@@ -3,7 +3,7 @@ import dataclasses
 
 from kernels.attention_plan import BlockSizes, default_block_sizes
 from kernels.backends import KERNEL_BACKENDS, TPU_BACKENDS
-from model.config import ModelConfig
+from model.config import QUANTIZATIONS, ModelConfig
 from model.loader import DTYPES, checkpoint_dtype
 from runtime.buckets import ShapeBuckets, pages_needed
 from runtime.wait_queue import SCHEDULE_POLICIES
@@ -31,6 +31,7 @@ class EngineConfig:
     rerank_template: str = ""       # a built-in name or a JSON file; "": Qwen3-Reranker's,
     #                                 where the vocabulary holds its labels
     program_cache_dir: str = ""     # compiled programs kept for the next start; "": none
+    quantization: str = ""          # "int8": the checkpoint's layers quantized at load (W8A8)
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES):
@@ -39,6 +40,9 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
                              f"{self.schedule_policy!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
         if self.kernel_backend not in ("auto",) + KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be auto or one of {KERNEL_BACKENDS}")
         positive = ("page_size", "max_prefill_tokens", "max_seqs", "max_rows", "max_labels",

@@ -40,6 +40,9 @@ class ModelRunner:
         devices = list(devices or jax.devices()[:1])
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
+        if backend in TPU_BACKENDS and cfg.quantization:
+            raise ValueError(f"--quantization {cfg.quantization} has no Pallas kernels yet: "
+                             "use --kernel-backend xla")
         if backend in TPU_BACKENDS:
             params = grouped_kv(params)  # stacked as the TPU kernels read them
         elif devices[0].platform == "cpu":

@@ -282,6 +282,7 @@ class ScoreServer:
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
+                "quantization": cfg.quantization or "none",
                 "kernel_backend": self.engine.runner.backend,
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,

@@ -61,6 +61,9 @@ def define_engine_flags() -> None:
                       "the KV write, attention and label gather kernels: auto: the Pallas "
                       "kernels on TPU, the planned XLA path elsewhere")
     flags.DEFINE_alias("attention_backend", "kernel_backend")  # SGLang's name
+    flags.DEFINE_enum("quantization", "none", ["none", "int8"], "int8: the layers' "
+                      "projections and MLP in int8 (W8A8: weights per channel, quantized at "
+                      "load; activations per token); the XLA path only, for now")
     flags.DEFINE_integer("tp_size", 1, "devices per replica: attention heads, MLP and "
                          "vocabulary split over them")
     flags.DEFINE_integer("dp_size", 1, "replicas, each on its own --tp-size devices: a request "
@@ -82,6 +85,7 @@ def engine_config() -> EngineConfig:
         kernel_backend=FLAGS.kernel_backend, q_block=FLAGS.q_block,
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
         rerank_template=FLAGS.rerank_template,
+        quantization="" if FLAGS.quantization == "none" else FLAGS.quantization,
         program_cache_dir=os.path.join(FLAGS.compile_cache_dir, "programs")
         if FLAGS.compile_cache_dir else "")
 

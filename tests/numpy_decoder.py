@@ -10,7 +10,10 @@ from safetensors.numpy import load_file
 
 
 class NumpyDecoder:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, int8: bool = False):
+        """`int8`: the layers' linears as W8A8 (weights per output channel and activations per
+        token, symmetric, rounded to nearest; an all-zero row's scale 1)."""
+        self.int8 = int8
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
         self.t = {}
@@ -54,7 +57,8 @@ class NumpyDecoder:
         return x * cos[:, None] + rot * sin[:, None]
 
     def _lin(self, x, name):
-        y = x @ self.t[name + ".weight"].T
+        w = self.t[name + ".weight"]
+        y = _int8_product(x, w) if self.int8 else x @ w.T
         return y + self.t[name + ".bias"] if name + ".bias" in self.t else y
 
     def _attention(self, x, p, layer):
@@ -114,3 +118,15 @@ class NumpyDecoder:
             return np.exp(zl - zl.max()) / np.exp(zl - zl.max()).sum()
         lse = z.max() + np.log(np.exp(z - z.max()).sum())
         return np.exp(z[labels] - lse)
+
+
+def _int8_rows(a):
+    """Each row of `a` as int8 values (float64) and its scale."""
+    scale = np.max(np.abs(a), axis=-1, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(a / scale), -127, 127), scale
+
+
+def _int8_product(x, w):
+    (xq, xs), (wq, ws) = _int8_rows(x), _int8_rows(w)
+    return (xq @ wq.T) * xs * ws.T

@@ -129,7 +129,7 @@ def test_info_endpoints(port):
     assert models["data"][0]["id"] == "tiny-llama"  # the served name, as every response's
     _, info, _ = call(port, "GET", "/get_model_info")
     assert info["is_generation"] is True and info["vocab_size"] == VOCAB
-    assert info["model_path"] == "/m/tiny"
+    assert info["model_path"] == "/m/tiny" and info["quantization"] == "none"
 
 
 def test_compilations_are_reported_in_info_and_metrics(port, engines):

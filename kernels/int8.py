@@ -1,0 +1,49 @@
+"""W8A8: symmetric int8 weights per output channel and activations per token, both rounded to
+nearest (ties to even), and their products dequantized.
+
+A weight's channel or an activation's token of all zeros gets scale 1 (its values stay 0): a
+scale is never 0, so nothing divides by it. The XLA path computes exactly this, and the TPU
+kernels must reproduce it.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT8_MAX = 127
+SCALE_SUFFIX = "_scale"  # params: a quantized weight `w`'s per-channel scales are `w_scale`
+
+
+def quantize_weight(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values, float32 scales) of `w`, one scale per slice along `axis`'s other axes:
+    the contraction `axis` is reduced, so each output channel has its own."""
+    w = np.asarray(w, np.float64)  # exact for float32 and bfloat16 weights
+    absmax = np.max(np.abs(w), axis=axis, keepdims=True)
+    scale = np.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    values = np.clip(np.rint(w / scale), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return values, np.squeeze(scale, axis).astype(np.float32)
+
+
+def quantize_tokens(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """(int8 values, float32 scales) of activations `x`, a scale per token: `axis` is the
+    features' (1 token-major, 0 feature-major); the scales keep it as a size-1 axis."""
+    x = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return values, scale
+
+
+def dequantized(acc: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                feature_major: bool) -> jax.Array:
+    """An int32 product of int8 tokens and weights in float32: token-major acc [T, out] with
+    x_scale [T, 1]; feature-major [out, T] with x_scale [1, T]; w_scale [out]."""
+    w = w_scale[:, None] if feature_major else w_scale
+    return acc.astype(jnp.float32) * x_scale * w.astype(jnp.float32)
+
+
+def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    """Token-major x [T, in] @ a quantized weight (values [in, out] int8, scale [out]), float32:
+    x quantized per token, the product accumulated in int32."""
+    xq, x_scale = quantize_tokens(x, axis=1)
+    acc = jnp.dot(xq, values, preferred_element_type=jnp.int32)
+    return dequantized(acc, x_scale, scale, feature_major=False)
