@@ -121,10 +121,6 @@ def config_from_hf(raw: dict) -> ModelConfig:
     family, is_classifier = parse_architecture(raw.get("architectures"))
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "unnamed")
-        raise ValueError(f"quantization_config {method!r} is not supported: give a 16- or "
-                         "32-bit checkpoint (--quantization int8 quantizes it at load)")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
     layers = raw["num_hidden_layers"]
@@ -156,7 +152,45 @@ def config_from_hf(raw: dict) -> ModelConfig:
         layer_windows=windows,
         local_rope_theta=_local_rope_theta(family, windows, global_rope, local_rope),
         rope_factor=global_rope[1],
+        quantization=_quantization(raw.get("quantization_config")),
     )
+
+
+_W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                 "dynamic": False}
+_W8A8_TOKENS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                "dynamic": True}
+
+
+def _quantization(config: dict | None) -> str:
+    """"int8" for a compressed-tensors W8A8 checkpoint as llm-compressor writes it (int8
+    weights with per-channel scales, activations per token, dynamically; every Linear but
+    lm_head), "" for none; any other quantization_config is refused, naming what differs."""
+    if not config:
+        return ""
+    method = config.get("quant_method", "unnamed")
+    if method != "compressed-tensors":
+        raise ValueError(f"quantization_config {method!r} is not supported: give a 16- or "
+                         "32-bit checkpoint (--quantization int8 quantizes it at load) or a "
+                         "compressed-tensors W8A8 one")
+    groups = list((config.get("config_groups") or {}).values())
+    checks = {"format": config.get("format") == "int-quantized",
+              "config_groups": len(groups) == 1 and groups[0].get("targets") == ["Linear"],
+              "weights": bool(groups) and _has(groups[0].get("weights"), _W8A8_WEIGHTS),
+              "input_activations": bool(groups) and _has(groups[0].get("input_activations"),
+                                                         _W8A8_TOKENS),
+              "ignore": set(config.get("ignore") or ()) <= {"lm_head"}}
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:
+        raise ValueError(f"quantization_config compressed-tensors: only W8A8 int8 (weights "
+                         f"per channel, activations per token, dynamic) is supported; its "
+                         f"{', '.join(wrong)} differ")
+    return "int8"
+
+
+def _has(scheme: dict | None, wanted: dict) -> bool:
+    return scheme is not None and all(scheme.get(k) == v for k, v in wanted.items()) and (
+        scheme.get("group_size") is None)
 
 
 def _activation(raw: dict, family: str) -> str:

@@ -46,7 +46,8 @@ def load_hf_model(model_dir: str, dtype, quantization: str = ""
                   ) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model path {model_dir!r} is not a directory")
-    cfg = dataclasses.replace(load_hf_config(model_dir), quantization=quantization)
+    cfg = load_hf_config(model_dir)
+    cfg = dataclasses.replace(cfg, quantization=quantization or cfg.quantization)
     params = build_params(cfg, _TensorSource(safetensor_files(model_dir)), dtype)
     tokenizer = TextTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     return cfg, params, tokenizer

@@ -69,18 +69,28 @@ def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def _stacked(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> dict:
     """The layers' tensors of `key` stacked (a linear's [in, out]) in `dtype`; a linear of an
     int8 model as its int8 values and per-channel scales (kernels.int8)."""
-    per_layer = [_checked(get, hf_layer_name(key, i, cfg), shape)
-                 for i in range(cfg.num_layers)]
-    stacked = np.stack(per_layer).astype(np.float32)
+    names = [hf_layer_name(key, i, cfg) for i in range(cfg.num_layers)]
+    if key in _LINEARS and cfg.quantization:
+        layers = [_int8_weight(get, name, shape) for name in names]
+        return {key: np.stack([v for v, _ in layers]),
+                key + SCALE_SUFFIX: np.stack([s for _, s in layers])}
+    stacked = np.stack([_checked(get, name, shape) for name in names]).astype(np.float32)
     if key in _LINEARS:
         stacked = stacked.transpose(0, 2, 1)
-        if cfg.quantization:  # a layer at a time: quantize_weight works in float64
-            layers = [quantize_weight(w, axis=0) for w in stacked]
-            return {key: np.stack([v for v, _ in layers]),
-                    key + SCALE_SUFFIX: np.stack([s for _, s in layers])}
     if key in NORM_VECTORS:
         return {key: _norm_weight(cfg, stacked, dtype)}
     return {key: stacked.astype(dtype)}
+
+
+def _int8_weight(get: GetTensor, name: str, shape) -> tuple[np.ndarray, np.ndarray]:
+    """A linear's int8 values [in, out] and per-channel scales [out]: a W8A8 checkpoint's own
+    (int8 `name`, its scales `name` + SCALE_SUFFIX, [out, 1]), or the float weight quantized
+    here (kernels.int8)."""
+    w = _checked(get, name, shape)
+    if w.dtype != np.int8:
+        return quantize_weight(w.T, axis=0)
+    scale = _checked(get, name + SCALE_SUFFIX, (shape[0], 1))
+    return w.T, scale.reshape(-1).astype(np.float32)
 
 
 def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:

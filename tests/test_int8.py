@@ -1,8 +1,13 @@
 """W8A8 int8 on the XLA path (kernels.int8, `--quantization int8`): the quantization rounds to
 nearest and never divides by 0, the decoder's dots in each layout take it, the quantized model
 scores as a NumPy W8A8 decoder does, and what cannot run int8 yet is refused at start-up."""
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from kernels.int8 import dequantized, int8_matmul, quantize_tokens, quantize_weight
 from model.config import config_from_hf
@@ -81,6 +86,71 @@ def test_the_int8_model_scores_as_a_numpy_w8a8_decoder(model_dirs, family):
     engine.close()
     assert np.median(misses) < 1e-4
     assert np.median(gaps) > 0.05
+
+
+W8A8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
+               "quantization_status": "compressed", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {
+                   "targets": ["Linear"],
+                   "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                               "strategy": "channel", "dynamic": False, "group_size": None},
+                   "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                         "strategy": "token", "dynamic": True,
+                                         "group_size": None}}}}
+
+
+def compressed_tensors_copy(src: str, dst: str) -> str:
+    """`src` written as llm-compressor writes a W8A8 checkpoint: each layer's Linear weight
+    int8 [out, in] rounded to nearest per output channel, its scales `weight_scale` [out, 1]
+    (float32), the quantization_config in config.json."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": W8A8_CONFIG}, f)
+    for path in [p for p in os.listdir(dst) if p.endswith(".safetensors")]:
+        tensors = load_file(os.path.join(dst, path))
+        for name in [n for n in tensors if n.startswith("model.layers.")
+                     and n.endswith("_proj.weight")]:
+            w = tensors[name].astype(np.float64)
+            scale = np.abs(w).max(axis=1, keepdims=True) / 127
+            tensors[name] = np.rint(w / scale).astype(np.int8)
+            tensors[name + "_scale"] = scale.astype(np.float32)
+        save_file(tensors, os.path.join(dst, path))
+    return dst
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_compressed_tensors_w8a8_checkpoint_serves_its_own_int8_weights(model_dirs, tmp_path,
+                                                                          family):
+    """Its int8 values and scales, read as they are (no flag), equal the ones quantizing the
+    float checkpoint at load gives; so do the scores."""
+    w8a8 = compressed_tensors_copy(model_dirs[family], str(tmp_path / family))
+    cfg, params, _ = load_model(w8a8)
+    want_cfg, want, _ = load_model(model_dirs[family], "float32", "int8")
+    assert cfg == want_cfg and cfg.quantization == "int8"
+    for key in ("wq", "wq_scale", "w_down", "w_down_scale"):
+        np.testing.assert_array_equal(params["layers"][key], want["layers"][key])
+    query, items = [3, 1, 4, 1, 5, 9, 2, 6], [[5, 3], [5], [8, 9, 7]]
+    scores = []
+    for path in (w8a8, model_dirs[family]):
+        engine = Engine.from_path(path, small_config(quantization="" if path == w8a8
+                                                     else "int8"))
+        scores.append(engine.score(query, items, [0, 5], apply_softmax=True).scores)
+        engine.close()
+    np.testing.assert_array_equal(scores[0], scores[1])
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(format="float-quantized"), "format"),
+    (dict(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "ignore"),
+    (dict(config_groups={"group_0": {**W8A8_CONFIG["config_groups"]["group_0"],
+                                     "input_activations": None}}), "input_activations"),
+])
+def test_another_compressed_tensors_scheme_is_refused_naming_what_differs(change, named):
+    with pytest.raises(ValueError, match=f"its {named} differ"):
+        config_from_hf({**hf_config("qwen3"), "quantization_config": {**W8A8_CONFIG,
+                                                                        **change}})
 
 
 def test_what_cannot_run_int8_yet_is_refused_naming_the_fix(model_dirs):
