@@ -163,3 +163,19 @@ def test_what_cannot_run_int8_yet_is_refused_naming_the_fix(model_dirs):
         config_from_hf({**hf_config("qwen3"), "quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(ValueError, match="quantization must be one of"):
         small_config(quantization="int4")
+
+
+def test_the_ranking_studys_measures():
+    """profiling.int8_ranking: a fixed scoring set, Spearman's correlation, top-1 agreement."""
+    from profiling.int8_ranking import compare, scoring_set, spearman
+    cases = scoring_set(3, 20, seed=0)
+    assert cases == scoring_set(3, 20, seed=0) and len(cases[1][1]) == 20
+    assert len(set(cases[0][1])) == 20 and cases[0][0].startswith("Query: ")
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    base = np.array([[0.1, 0.5, 0.3], [0.2, 0.1, 0.9]])
+    swapped = np.array([[0.1, 0.3, 0.5], [0.2, 0.1, 0.9]])
+    result = compare(base, swapped)
+    assert result["top1_agreement"] == 0.5 and result["min_spearman"] == pytest.approx(0.5)
+    assert result["max_probability_difference"] == pytest.approx(0.2)
+    assert not result["targets_met"] and compare(base, base)["targets_met"]

@@ -1,0 +1,125 @@
+"""Does int8 (W8A8, `--quantization int8`) keep the ranking? The same scoring set scored by a
+model in 16 or 32 bits and in int8, compared query by query.
+
+python -m profiling.int8_ranking [--model_path DIR|FILE.gguf] [--queries 200] [--items 20]
+    [--dtype float32] [--out ranking.json]
+
+The scoring set is made here, from word lists of this file (ours to ship): each query asks for
+a kind of thing for a purpose ("a kitchen tool for baking bread"), its items name things of
+several kinds with an adjective, and the score is SGLang's: the probability of " yes" against
+" no" after "Is this a good match? Answer yes or no:". Per query: Spearman's correlation of
+the item scores and whether the top item agrees; over all: the mean and worst correlation, the
+top-1 agreement and the largest probability difference. Targets (issue 75): mean Spearman >=
+0.98, top-1 agreement >= 95%.
+"""
+import time
+
+import numpy as np
+from absl import app, flags
+
+from profiling.timing import write_json
+from runtime.cli_flags import parse_flags
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
+
+FLAGS = flags.FLAGS
+KINDS = {
+    "kitchen tool": ["whisk", "rolling pin", "chef's knife", "cast iron pan", "ladle",
+                     "food processor", "baking sheet", "peeler"],
+    "garden tool": ["spade", "rake", "pruning shears", "watering can", "wheelbarrow", "hoe",
+                    "hose", "trowel"],
+    "book": ["mystery novel", "cookbook", "atlas", "poetry collection", "biography",
+             "field guide", "textbook", "comic book"],
+    "piece of clothing": ["raincoat", "wool sweater", "linen shirt", "hiking boots",
+                          "sun hat", "scarf", "swimsuit", "gloves"],
+    "toy": ["puzzle", "kite", "building blocks", "teddy bear", "toy train", "yo-yo",
+            "board game", "jump rope"],
+    "piece of furniture": ["bookshelf", "armchair", "desk", "bunk bed", "coffee table",
+                           "wardrobe", "bar stool", "sofa"],
+}
+PURPOSES = ["baking bread", "a rainy day", "a long hike", "a child's birthday", "a small flat",
+            "learning at school", "a summer holiday", "cold winter nights", "a dinner party",
+            "working from home"]
+ADJECTIVES = ["sturdy", "cheap", "lightweight", "classic", "colorful", "large", "compact",
+              "handmade", "old", "modern"]
+PROMPT = "Query: I am looking for a {kind} for {purpose}.\nItem:"
+SUFFIX = "\nIs this a good match? Answer yes or no:"
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("model_path", None, "checkpoint directory or .gguf; default: the "
+                        "embedded SmolLM2-135M-Instruct")
+    flags.DEFINE_integer("queries", 200, "queries in the scoring set")
+    flags.DEFINE_integer("items", 20, "items a query")
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "the model int8 is held "
+                      "against")
+    flags.DEFINE_integer("seed", 0, "seed of the scoring set")
+    flags.DEFINE_string("out", None, "write the results as JSON here")
+
+
+def scoring_set(queries: int, items: int, seed: int) -> list[tuple[str, list[str]]]:
+    rng = np.random.default_rng(seed)
+    things = [(kind, thing) for kind, names in KINDS.items() for thing in names]
+    out = []
+    for _ in range(queries):
+        kind = list(KINDS)[rng.integers(len(KINDS))]
+        query = PROMPT.format(kind=kind, purpose=PURPOSES[rng.integers(len(PURPOSES))])
+        picks = rng.choice(len(things), items, replace=False)
+        out.append((query, [f" a {ADJECTIVES[rng.integers(len(ADJECTIVES))]} "
+                            f"{things[i][1]}{SUFFIX}" for i in picks]))
+    return out
+
+
+def spearman(a, b) -> float:
+    ra, rb = (np.argsort(np.argsort(x)).astype(np.float64) for x in (a, b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra @ rb) / np.sqrt((ra @ ra) * (rb @ rb)))
+
+
+def labels(engine: Engine) -> list[int]:
+    ids = [engine.tokenizer.encode(word) for word in (" yes", " no")]
+    if any(len(i) != 1 for i in ids):
+        raise ValueError(f"' yes' and ' no' are not one token each here: {ids}")
+    return [i[0] for i in ids]
+
+
+def scores(engine: Engine, cases) -> tuple[np.ndarray, float]:
+    """P(yes) of every item [queries, items], and the seconds it took."""
+    ids = labels(engine)
+    start = time.perf_counter()
+    out = [engine.score(query, items, ids, apply_softmax=True).scores for query, items in cases]
+    return np.array(out)[:, :, 0], time.perf_counter() - start
+
+
+def compare(base: np.ndarray, int8: np.ndarray) -> dict:
+    rho = np.array([spearman(a, b) for a, b in zip(base, int8)])
+    top1 = np.mean(np.argmax(base, axis=1) == np.argmax(int8, axis=1))
+    return {"mean_spearman": float(rho.mean()), "min_spearman": float(rho.min()),
+            "top1_agreement": float(top1), "max_probability_difference":
+            float(np.abs(base - int8).max()), "targets_met": bool(rho.mean() >= 0.98
+                                                                  and top1 >= 0.95)}
+
+
+def main(argv) -> None:
+    del argv
+    cases = scoring_set(FLAGS.queries, FLAGS.items, FLAGS.seed)
+    runs = {}
+    for name, quantization in ((FLAGS.dtype, ""), ("int8", "int8")):
+        engine = Engine.from_path(FLAGS.model_path, EngineConfig(
+            dtype=FLAGS.dtype, quantization=quantization, warmup=False))
+        runs[name] = scores(engine, cases)
+        engine.close()
+    result = {"queries": FLAGS.queries, "items": FLAGS.items, "model_path": FLAGS.model_path,
+              "against": FLAGS.dtype, **compare(runs[FLAGS.dtype][0], runs["int8"][0]),
+              "seconds": {name: run[1] for name, run in runs.items()}}
+    print(f"{FLAGS.queries} queries x {FLAGS.items} items, int8 against {FLAGS.dtype}: "
+          f"Spearman mean {result['mean_spearman']:.4f} (worst {result['min_spearman']:.4f}), "
+          f"top-1 agreement {result['top1_agreement']:.1%}, largest P(yes) difference "
+          f"{result['max_probability_difference']:.4f}; targets (>= 0.98, >= 95%) "
+          f"{'met' if result['targets_met'] else 'missed'}")
+    write_json(result, FLAGS.out)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
