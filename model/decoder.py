@@ -596,7 +596,7 @@ def score_forward(params: dict, cache: KVCache, batch: ForwardBatch, *, cfg: Mod
     if sizes is not None:
         with jax.named_scope("attention_plan"):
             batch = batch._replace(attention=plan_attention(
-                batch.attention, sizes, cache.k.shape[3], max(cfg.layer_windows, default=0)))
+                batch.attention, sizes, cache.k.shape[3], max(plan_windows(cfg))))
     x, cache = hidden_states(params, cfg, cache, batch, kernels, shards)
     with jax.named_scope("label_gather"):
         label_logits, lse = _label_logits(kernels, x[batch.score_rows], params, cfg, batch,

@@ -133,20 +133,21 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def param_dtypes(cfg: ModelConfig, dtype) -> dict:
-    """The dtypes of `build_params`'s arrays (`param_shapes`'s tree) for a model in `dtype`:
+def param_dtype(cfg: ModelConfig, key: str, dtype) -> np.dtype:
+    """The dtype of `build_params`'s array `key` (or `grouped_kv`'s) for a model in `dtype`:
     an int8 model's linears int8 with float32 scales, Gemma's norms float32."""
-    def of(key: str):
-        if cfg.quantization and key in _LINEARS:
-            return np.dtype(np.int8)
-        if key.endswith(SCALE_SUFFIX) or (cfg.norm_offset
-                                          and key in (*NORM_VECTORS, "final_norm")):
-            return np.dtype(np.float32)
-        return np.dtype(dtype)
+    if cfg.quantization and key in (*_LINEARS, KV_GROUP):
+        return np.dtype(np.int8)
+    if key.endswith(SCALE_SUFFIX) or (cfg.norm_offset and key in (*NORM_VECTORS, "final_norm")):
+        return np.dtype(np.float32)
+    return np.dtype(dtype)
 
+
+def param_dtypes(cfg: ModelConfig, dtype) -> dict:
+    """`param_dtype` of each array of `param_shapes`'s tree."""
     shapes = param_shapes(cfg)
-    return {**{k: of(k) for k in shapes if k != "layers"},
-            "layers": {k: of(k) for k in shapes["layers"]}}
+    return {**{k: param_dtype(cfg, k, dtype) for k in shapes if k != "layers"},
+            "layers": {k: param_dtype(cfg, k, dtype) for k in shapes["layers"]}}
 
 
 def per_layer_matrices(params: dict) -> dict:

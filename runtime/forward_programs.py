@@ -25,7 +25,7 @@ from model.batch import KVCache, pack, unpack
 from model.config import ModelConfig
 from model.decoder import kv_pool_shape, score_forward
 from model.loader import DTYPES
-from model.params import KV_GROUP, grouped_kv_shapes, param_dtypes, param_shapes
+from model.params import grouped_kv_shapes, param_dtype, param_shapes
 from model.sharding import (
     ShardPlan,
     cache_placements,
@@ -183,15 +183,12 @@ def abstract_programs(cfg: ModelConfig, dtype, buckets: ShapeBuckets, backend: s
     and `devices` may be a deviceless topology's (jax.experimental.topologies)."""
     shards, mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
     shapes = repeat_kv_shapes(param_shapes(cfg), shards.kv_repeat)
-    dtypes = param_dtypes(cfg, dtype)
     if backend in TPU_BACKENDS:
         shapes = grouped_kv_shapes(shapes)  # as ModelRunner holds them
-        layers = {k: d for k, d in dtypes["layers"].items() if k != "wv"}
-        dtypes = {**dtypes, "layers": {KV_GROUP if k == "wk" else k: d
-                                       for k, d in layers.items()}}
-    params = jax.tree.map(lambda shape, dt, placement: jax.ShapeDtypeStruct(
-        shape, dt, sharding=placement), shapes, dtypes, param_placements(shapes, shards, mesh),
-        is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, shape, placement: jax.ShapeDtypeStruct(
+            shape, param_dtype(cfg, path[-1].key, dtype), sharding=placement),
+        shapes, param_placements(shapes, shards, mesh), is_leaf=lambda x: isinstance(x, tuple))
     pool = kv_pool_shape(cfg, num_pages, buckets.page_size, backend, shards.kv_repeat)
     cache = KVCache(*(jax.ShapeDtypeStruct(pool, dtype, sharding=placement)
                       for placement in cache_placements(mesh)))
