@@ -10,7 +10,8 @@ between steps: 1.09-1.17x in the same schedule. The blocks keep either the token
 weights whole in VMEM where they fit (`projection_blocks`), so each is read from HBM once,
 and the weights are read from the layer loop's stacks where they lie. k's and v's products
 can go straight into their pages of the KV pool instead of out (`PageWrite`), a block of rows
-a page.
+a page. int8 weights (W8A8, kernels.int8) multiply x quantized per token in VMEM (after its
+norm, where the kernel norms it), into int32, dequantized before the rest of the epilogue.
 """
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.int8 import dequantized, int8_matmul, quantize_tokens
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
 from kernels.tpu_tiles import LANES, SUBLANES, row_block
@@ -58,18 +60,20 @@ class ProjectionBlocks:
 
 
 def projection_blocks(tokens: int, depth: int, width: int, weights: int,
-                      itemsize: int) -> ProjectionBlocks:
+                      itemsize: int, weight_itemsize: int | None = None) -> ProjectionBlocks:
     """Blocks of x [tokens, depth] and of `weights` weights [depth, width]: the weights whole
     where they fit and the tokens take two steps or more (each read once, and the first step
     waits for one block of x, not all of it); else the tokens whole where they fit (x read
     once, each weight block once, in at least four blocks of at least the MXU's 256 columns
     where the width allows); else the weights whole where they fit; else both in blocks, the
-    tokens' as large as fit (the weights read once per block of tokens)."""
+    tokens' as large as fit (the weights read once per block of tokens). `itemsize`: x's;
+    `weight_itemsize`: the weights' (int8's 1), by default x's."""
+    weight_bytes = weights * depth * (weight_itemsize or itemsize)  # a column's
+
     def columns(rows: int, most: int) -> int:
-        return _columns(width, lambda c: c <= most
-                        and weights * depth * c * itemsize <= _BLOCK_WEIGHT_BYTES
+        return _columns(width, lambda c: c <= most and weight_bytes * c <= _BLOCK_WEIGHT_BYTES
                         and rows * c * weights * 4 <= _PRODUCT_BYTES)
-    streamed = (weights * depth * width * itemsize <= _WEIGHTS_WHOLE_BYTES
+    streamed = (weight_bytes * width <= _WEIGHTS_WHOLE_BYTES
                 and row_block(tokens, lambda r: r <= _MAX_ROWS
                               and r * width * weights * 4 <= _PRODUCT_BYTES, least=_LEAST_ROWS))
     if streamed and tokens // streamed >= 2:
@@ -122,12 +126,13 @@ def projection_kernel_applies(tokens: int, shapes) -> bool:
 
 def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs: int,
                      itemsize: int, out_itemsize: int, blocks: ProjectionBlocks,
-                     rope_group: int = 0) -> int:
+                     rope_group: int = 0, weight_itemsize: int | None = None) -> int:
     """HBM bytes the kernel moves: x once (its block changes only with the token block), the
-    weights once if whole, else once per token block, each of `outputs` once, and with RoPE
-    its two float32 tables [tokens, rope_group] once."""
+    weights once if whole, else once per token block (in `weight_itemsize`, default x's),
+    each of `outputs` once, and with RoPE its two float32 tables [tokens, rope_group] once."""
     weight_reads = 1 if blocks.all_columns(width) else tokens // blocks.rows
-    return ((tokens * depth + weight_reads * weights * depth * width) * itemsize
+    weight_itemsize = weight_itemsize or itemsize
+    return (tokens * depth * itemsize + weight_reads * weights * depth * width * weight_itemsize
             + outputs * tokens * width * out_itemsize + 2 * tokens * rope_group * 4)
 
 
@@ -175,19 +180,22 @@ class _Layout:
     rope: tuple[int, float, bool] | None
     paged: bool = False  # the products go to pages (PageWrite), not to outputs
     residual: bool = False  # a block of the residual stream follows the RoPE operands
-    x_norm: float | None = None  # x is RMS-normed first (its eps; the weight last of all)
+    x_norm: float | None = None  # x is RMS-normed first (its eps; its weight after the residual)
     activation: str = "silu"  # of a gated call's gate
+    int8: bool = False  # int8 weights: x quantized per token; their scales [n, out] last
+    quantize_once: bool = False  # int8 in blocks of columns: a block of x quantized at its
+    #                              first, kept in VMEM for the others (the last two scratch)
 
     @property
     def weights(self) -> int:
         return sum(self.groups)
 
     def split(self, refs) -> tuple:
-        """(weights, biases, rope operands, residual, x's norm weight, outputs) of `refs`:
-        lists."""
+        """(weights, biases, rope operands, residual, x's norm weight, the weights' scales,
+        outputs) of `refs`: lists."""
         counts = (self.weights, self.weights if self.biased else 0,
                   0 if self.rope is None else 2 + self.rope[2], int(self.residual),
-                  int(self.x_norm is not None))
+                  int(self.x_norm is not None), int(self.int8))
         parts, start = [], 0
         for n in counts:
             parts.append(list(refs[start:start + n]))
@@ -200,7 +208,7 @@ def sub_block_rows(rows: int) -> int:
     return row_block(rows, lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
 
 
-def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
+def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None, once=None):
     """One block of tokens times one block of each weight's columns, finished: the first
     product normed and rotated where the call has RoPE. The block's rows go through in
     sub-blocks of at most `_MAX_ROWS` (where a power of two divides them), one after another
@@ -208,33 +216,63 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None):
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
     bundles to 6,914; docs/tpu_v6e.md); each sub-block's columns in chunks of `chunk`, the
     first sub-block's after `ready(chunk index)`; `after(first_row, rows)` follows each
-    sub-block."""
-    w_refs, b_refs, rope_refs, residual, x_norm, out_refs = layout.split(refs)
+    sub-block. `once`: x's int8 values and scales in VMEM and the column block
+    (`_quantized_once`)."""
+    w_refs, b_refs, rope_refs, residual, x_norm, scales, out_refs = layout.split(refs)
     block = sub_block_rows(x_ref.shape[0])
     for start in range(0, x_ref.shape[0], block):
         rows = pl.ds(start, block)
         waits = ready if start == 0 else None
         if waits is not None:  # before x's norm, which then overlaps the first products
             waits(0)
-        x = x_ref[rows, :]
-        if x_norm:
-            x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
+        if once is None:
+            x = x_ref[rows, :]
+            if x_norm:
+                x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
+            operand = _operand(x, scales)
+        else:
+            operand = _quantized_once(x_ref, rows, scales, *once)
+        product = functools.partial(_products, *operand)
         chunks = [pl.ds(first, chunk) for first in range(0, w_refs[0].shape[-1], chunk)]
-        products = _products(x, w_refs, chunks[0])
+        products = product(w_refs, chunks[0])
         for c, columns in enumerate(chunks):
             following = None
             if c + 1 < len(chunks):  # the next chunk's wait before this one's epilogue
                 if waits is not None:
                     waits(c + 1)
-                following = _products(x, w_refs, chunks[c + 1])
+                following = product(w_refs, chunks[c + 1])
             _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout)
             products = following
         if after is not None:
             after(start, block)
 
 
-def _products(x, w_refs, columns) -> list:
-    return [jnp.dot(x, w[:, columns], preferred_element_type=jnp.float32) for w in w_refs]
+def _operand(x, scales: list) -> tuple:
+    """(x, its per-token scales, the weights' scales ref): x quantized where the weights are
+    int8 (`scales` holds their ref), else (x, None, None)."""
+    if not scales:
+        return x, None, None
+    return (*quantize_tokens(x, axis=1), scales[0])
+
+
+def _quantized_once(x_ref, rows, scales: list, values_ref, scales_ref, column_block) -> tuple:
+    """`_operand` of x's `rows`, quantized at the first column block into VMEM, and read
+    back there at every block (a row block's steps run one after another)."""
+    @pl.when(column_block == 0)
+    def _():
+        values, x_scale = quantize_tokens(x_ref[rows, :], axis=1)
+        values_ref[rows, :] = values
+        scales_ref[rows, :] = x_scale
+    return values_ref[rows, :], scales_ref[rows, :], scales[0]
+
+
+def _products(x, x_scale, w_scales, w_refs, columns) -> list:
+    """float32 products; int8 ones dequantized (the weights' scales [n, out] by row)."""
+    if w_scales is None:
+        return [jnp.dot(x, w[:, columns], preferred_element_type=jnp.float32) for w in w_refs]
+    return [dequantized(jnp.dot(x, w[:, columns], preferred_element_type=jnp.int32), x_scale,
+                        w_scales[pl.ds(k, 1), columns], feature_major=False)
+            for k, w in enumerate(w_refs)]
 
 
 def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layout: _Layout):
@@ -289,6 +327,9 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
     layer_ref, *page_refs = refs[:1 + 2 * layout.paged]
     x_ref, *refs = refs[1 + 2 * layout.paged:]
     w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
+    once = None
+    if layout.quantize_once:
+        rest, once = rest[:-2], (*rest[-2:], pl.program_id(1))
     if layout.paged:  # then: the pools in (aliased), the pools out, the staging buffer
         *step_refs, _, _, k_pages, v_pages, w_vmem, copied, first, staging, page_sems = rest
     else:
@@ -336,7 +377,7 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
         """Each step's products, the first step's each after its chunk of weights: two
         bodies, so that no wait stands between the other steps' chunks."""
         run = functools.partial(_step, x_ref, *weights, *step_refs, layout=layout,
-                                chunk=chunk, after=after)
+                                chunk=chunk, after=after, once=once)
         if chunk == columns:
             pl.when(step == 0)(lambda: ready(0))
             run()
@@ -412,17 +453,25 @@ class _PageCopies:
         pltpu.make_async_copy(buffer, buffer, self.sems.at[slot]).wait()
 
 
-def check_projection_shapes(x, weights: tuple, biases: tuple, layer) -> None:
+def check_projection_shapes(x, weights: tuple, biases: tuple, layer, scales: tuple = ()
+                            ) -> None:
     matrices = {w.shape[-2:] for w in weights}
     ranks = {w.ndim for w in weights} <= ({2} if layer is None else {3, 4})
     (depth, width), = matrices if len(matrices) == 1 else ((None, None),)
+    int8 = {w.dtype == jnp.int8 for w in weights}
     if (x.ndim != 2 or not weights or not ranks or depth != x.shape[1]
             or (biases and (len(biases) != _weight_count(weights)
-                            or any(b.shape != (width,) for b in biases)))):
+                            or any(b.shape != (width,) for b in biases)))
+            or int8 != {bool(scales)} or (scales and (
+                len(scales) != _weight_count(weights)
+                or any(s.shape != (width,) or s.dtype != jnp.float32 for s in scales)))):
         raise ValueError(f"expected x [T, in], weights of one shape [in, out] (with a layer, "
                          f"stacks [layers, in, out] or groups [layers, n, in, out]) and a bias "
-                         f"[out] for each or none, got x {x.shape}, weights "
-                         f"{[w.shape for w in weights]}, biases {[b.shape for b in biases]}, "
+                         f"[out] for each or none, and int8 weights' float32 scales [out] "
+                         f"(at the layer) for each, got x {x.shape}, weights "
+                         f"{[w.shape for w in weights]} of "
+                         f"{sorted({w.dtype.name for w in weights})}, biases "
+                         f"{[b.shape for b in biases]}, scales {[s.shape for s in scales]}, "
                          f"layer {layer}")
 
 
@@ -440,13 +489,14 @@ def _groups(weights: tuple, layer) -> tuple:
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
           pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None,
-          activation: str = "silu"):
-    check_projection_shapes(x, weights, biases, layer)
+          activation: str = "silu", scales: tuple = ()):
+    check_projection_shapes(x, weights, biases, layer, scales)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
     n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
     blocks = blocks or call_blocks(tokens, depth, width, n, x.dtype.itemsize,
-                                   pages and pages.k_pages.shape[3], x_norm is not None)
+                                   pages and pages.k_pages.shape[3], x_norm is not None,
+                                   weights[0].dtype.itemsize)
     if tokens % blocks.rows or width % blocks.columns:
         raise ValueError(f"blocks {blocks} must divide x {x.shape} and the weights' {width} "
                          "columns")
@@ -462,14 +512,16 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     chunk = first_chunk_columns(width, blocks)
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
-                     pages is not None, residual is not None, x_norm and x_norm.eps, activation)
+                     pages is not None, residual is not None, x_norm and x_norm.eps, activation,
+                     bool(scales), bool(scales) and not blocks.all_columns(width))
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
                                                     blocks.rows // pages.k_pages.shape[3])])
     operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
                 *([] if residual is None else [residual]),
-                *([] if x_norm is None else [x_norm.weight.reshape(1, depth)])]
+                *([] if x_norm is None else [x_norm.weight.reshape(1, depth)]),
+                *([jnp.stack(scales)] if scales else [])]
     out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, chunk=chunk,
@@ -483,12 +535,15 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
             + _rope_specs(rope, blocks.rows) + out.residual_specs(residual)
             + ([] if x_norm is None else [pl.BlockSpec((1, depth), lambda i, j, *_: (0, 0))])
+            + ([pl.BlockSpec((n, blocks.columns), lambda i, j, *_: (0, j))] if scales else [])
             + out.in_specs(),
             out_specs=out.specs(),
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
                             pltpu.SemaphoreType.DMA((slots, n)),
                             pltpu.SemaphoreType.DMA((blocks.columns // chunk, n))]
-            + out.scratch()),
+            + out.scratch()
+            + ([pltpu.VMEM((blocks.rows, depth), jnp.int8),
+                pltpu.VMEM((blocks.rows, 1), jnp.float32)] if layout.quantize_once else [])),
         out_shape=out.shapes(),
         input_output_aliases=out.aliases(len(scalars) + len(operands)),
         # sequential: a step copies in the next step's weights (and writes the pages of the
@@ -501,7 +556,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             bytes_accessed=projection_bytes(
                 tokens, depth, width, n, outputs, x.dtype.itemsize,
                 jnp.dtype(out_dtype).itemsize, blocks,
-                lane_group(rope.head_dim) if rope else 0)),
+                lane_group(rope.head_dim) if rope else 0, weights[0].dtype.itemsize)),
         interpret=interpret,
     )(*scalars, *operands, *out.operands())
 
@@ -524,8 +579,8 @@ def _check_residual(residual, shape: tuple, dtype, outputs: int, paged: bool) ->
 def row_stream_blocks(tokens: int, depth: int, width: int, weights: int, itemsize: int,
                       least: int = _LEAST_ROWS) -> ProjectionBlocks | None:
     """Blocks of every column and at most `_MAX_ROWS` rows (one sub-block), a whole number
-    of `least` rows, where the weights fit VMEM whole (None where they do not): each block
-    of x is then read, and finished, in one step."""
+    of `least` rows, where the weights (of `itemsize`) fit VMEM whole (None where they do
+    not): each block of x is then read, and finished, in one step."""
     if weights * depth * width * itemsize > _WEIGHTS_WHOLE_BYTES:
         return None
     rows = row_block(tokens, lambda r: r <= _MAX_ROWS, least=least)
@@ -536,24 +591,27 @@ def row_stream_blocks(tokens: int, depth: int, width: int, weights: int, itemsiz
 
 
 def page_write_blocks(tokens: int, depth: int, width: int, itemsize: int,
-                      page_size: int) -> ProjectionBlocks:
+                      page_size: int, weight_itemsize: int | None = None) -> ProjectionBlocks:
     """Blocks of k's and v's projection into pages (PageWrite): a step takes every head, so
     that a block of rows goes to its page in one copy for k and one for v (row_stream_blocks,
     whole pages), or else the projection's own blocks."""
-    return (row_stream_blocks(tokens, depth, width, 2, itemsize, page_size)
-            or projection_blocks(tokens, depth, width, 2, itemsize))
+    return (row_stream_blocks(tokens, depth, width, 2, weight_itemsize or itemsize, page_size)
+            or projection_blocks(tokens, depth, width, 2, itemsize, weight_itemsize))
 
 
 def call_blocks(tokens: int, depth: int, width: int, weights: int, itemsize: int,
-                page_size: int | None = None, normed: bool = False) -> ProjectionBlocks:
+                page_size: int | None = None, normed: bool = False,
+                weight_itemsize: int | None = None) -> ProjectionBlocks:
     """A call's blocks where its caller gives none: into pages of `page_size` rows, the
     pages' (page_write_blocks); with x's norm, every column a step where the weights fit, so
     that each block of x is normed once (InputNorm.check refuses the rest); else the
     projection's own."""
     if page_size is not None:
-        return page_write_blocks(tokens, depth, width, itemsize, page_size)
-    own = projection_blocks(tokens, depth, width, weights, itemsize)
-    return (row_stream_blocks(tokens, depth, width, weights, itemsize) or own) if normed else own
+        return page_write_blocks(tokens, depth, width, itemsize, page_size, weight_itemsize)
+    own = projection_blocks(tokens, depth, width, weights, itemsize, weight_itemsize)
+    if not normed:
+        return own
+    return row_stream_blocks(tokens, depth, width, weights, weight_itemsize or itemsize) or own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,7 +634,7 @@ def norm_fits(tokens: int, depth: int, width: int, weights: int, itemsize: int) 
     holds every column, and at least NORM_MIN_STEPS steps of rows, over which the weights'
     one copy, at the first, is spread (at 512 tokens, one step, gate and up's 12 MiB of
     weights outlast its products: Qwen3-0.6B's forward 1.786 -> 1.828 ms in the v6e
-    estimate, with the first step's weights in chunks)."""
+    estimate, with the first step's weights in chunks). `itemsize`: the weights'."""
     blocks = row_stream_blocks(tokens, depth, width, weights, itemsize)
     return blocks is not None and tokens // blocks.rows >= NORM_MIN_STEPS
 
@@ -677,7 +735,7 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
             rope: HeadRope | None = None, pages: PageWrite | None = None, residual=None,
-            x_norm: InputNorm | None = None, name: str = "project",
+            x_norm: InputNorm | None = None, scales: tuple = (), name: str = "project",
             blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
@@ -685,21 +743,23 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
     v's). With `rope`, the first product's heads (q, or k of k and v) are normed and rotated in
     VMEM. With `pages`, k's and v's products go into their pages: returns the pools (k, v).
     With `residual` [T, out] (out_dtype), one weight's product is added to it (the layer's
-    residual stream). With `x_norm`, x is RMS-normed first. `name`: the kernel's, one per
-    call site (a study prices each)."""
+    residual stream). With `x_norm`, x is RMS-normed first. int8 weights take `scales`, a
+    float32 [out] for each weight (at the layer), and x is quantized per token (W8A8,
+    kernels.int8). `name`: the kernel's, one per call site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
-                       interpret=interpret, pages=pages, residual=residual, x_norm=x_norm))
+                       interpret=interpret, pages=pages, residual=residual, x_norm=x_norm,
+                       scales=tuple(scales)))
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
-             name: str = "gate_up", blocks: ProjectionBlocks | None = None, interpret=False,
-             activation: str = "silu"):
+             scales: tuple = (), name: str = "gate_up", blocks: ProjectionBlocks | None = None,
+             interpret=False, activation: str = "silu"):
     """activation(x @ w_gate) * (x @ w_up), in x's dtype (SiLU, or Gemma's GeGLU): the MLP's
-    input to its down projection. `layer` and `x_norm` as in `project`."""
+    input to its down projection. `layer`, `x_norm` and `scales` as in `project`."""
     (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
                    blocks=blocks, rope=None, interpret=interpret, x_norm=x_norm,
-                   activation=activation)
+                   activation=activation, scales=tuple(scales))
     return out
 
 
@@ -712,15 +772,14 @@ def _at_layer(weights: tuple, layer) -> tuple:
 
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
                       rope: HeadRope | None = None, pages: PageWrite | None = None,
-                      residual=None, x_norm: InputNorm | None = None,
+                      residual=None, x_norm: InputNorm | None = None, scales: tuple = (),
                       name: str = "project", blocks=None, interpret=False) -> tuple:
     """Plain JAX, the same contract: the model's RMSNorm and XLA dots (and the norm and RoPE
     kernel's reference), and the pages written block by block."""
     del name, blocks, interpret
-    check_projection_shapes(x, tuple(weights), tuple(biases), layer)
+    check_projection_shapes(x, tuple(weights), tuple(biases), layer, tuple(scales))
     x = _normed_reference(x, x_norm)
-    products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
-                for w in _at_layer(tuple(weights), layer)]
+    products = _products_reference(x, _at_layer(tuple(weights), layer), tuple(scales))
     outs = _finish_each(products, list(biases) or [None] * len(products), out_dtype or x.dtype)
     if rope is not None:
         rope.check(*outs[0].shape)
@@ -744,15 +803,21 @@ def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:
 
 
 def gated_up_reference(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
-                       name: str = "gate_up", blocks=None, interpret=False,
-                       activation: str = "silu"):
+                       scales: tuple = (), name: str = "gate_up", blocks=None,
+                       interpret=False, activation: str = "silu"):
     """Plain JAX, the same contract."""
     del name, blocks, interpret
-    check_projection_shapes(x, (w_gate, w_up), (), layer)
+    check_projection_shapes(x, (w_gate, w_up), (), layer, tuple(scales))
     x = _normed_reference(x, x_norm)
-    products = [jnp.dot(x, w, preferred_element_type=jnp.float32)
-                for w in _at_layer((w_gate, w_up), layer)]
+    products = _products_reference(x, _at_layer((w_gate, w_up), layer), tuple(scales))
     return finish_gated(products, x.dtype, activation)[0]
+
+
+def _products_reference(x, weights: tuple, scales: tuple) -> list:
+    """XLA's dots; int8 weights' as kernels.int8's."""
+    if not scales:
+        return [jnp.dot(x, w, preferred_element_type=jnp.float32) for w in weights]
+    return [int8_matmul(x, w, s) for w, s in zip(weights, scales)]
 
 
 def _normed_reference(x, x_norm: InputNorm | None):

@@ -65,13 +65,16 @@ def apply_rope(x, cos, sin, feature_major: bool = False):
 
 Dot = Callable  # (x, name, epilogue, operands) -> epilogue(x @ this layer's weight `name`,
 #                  *operands) (w @ x feature-major), float32
+Observe = Callable  # (name, layer, x) -> None: sees each dot's input x [T, in] in a forward
+#                      (model.smoothing's calibration)
 
 
 def _product(y):
     return y
 
 
-def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool) -> Dot:
+def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool,
+               observe: Observe | None = None) -> Dot:
     """Matmuls with this layer's weights: sliced out of the stacked params (`lp`, [in, out]),
     or, with per-layer matrices (model.params.per_layer_matrices, [out, in]), a switch on the
     layer whose branches each read their own array, so that no weight is copied first. An
@@ -79,12 +82,16 @@ def _layer_dot(lp: dict, matrices: tuple | None, layer, feature_major: bool) -> 
     the switch. An int8 weight (its scales `lp[name + SCALE_SUFFIX]`) multiplies x quantized
     per token, and its int32 product is dequantized before the epilogue (kernels.int8)."""
     def stacked(x, name, epilogue=_product, operands=()):
+        if observe is not None:
+            observe(name, layer, x)
         scale = lp.get(name + SCALE_SUFFIX)
         y = (jnp.dot(x, lp[name], preferred_element_type=jnp.float32) if scale is None
              else int8_matmul(x, lp[name], scale))
         return epilogue(y, *operands)
 
     def per_layer(x, name, epilogue=_product, operands=()):
+        if observe is not None:
+            observe(name, layer, x.T if feature_major else x)
         scale = lp.get(name + SCALE_SUFFIX)
         if scale is not None:
             x, x_scale = quantize_tokens(x, axis=0 if feature_major else 1)
@@ -177,13 +184,25 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
             raise ValueError("RoPE and x's norm in the projections need the projection "
                              "kernel")
         if tuple(w for w, _ in pairs) == KV_WEIGHTS and KV_GROUP in lp:
-            both = jax.lax.dot_general(x, lp[KV_GROUP], (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32)  # [T, 2, out]
-            return tuple(_finished(both[:, i], x.dtype, lp.get(b), shards)
-                         for i, (_, b) in enumerate(pairs))
+            return tuple(_finished(y, x.dtype, lp.get(b), shards)
+                         for y, (_, b) in zip(_kv_products(x, lp), pairs))
         return _plus(residual, tuple(_project(dot, x, w, lp.get(b), shards, feature_major)
                                      for w, b in pairs))
     return xla
+
+
+def _kv_products(x, lp: dict) -> tuple:
+    """k's and v's float32 products from their group [in, 2, out] in one dot (an int8
+    group's of x quantized per token, each dequantized by its own scales)."""
+    scales = _scales(lp, KV_WEIGHTS)
+    if scales:
+        x, x_scale = quantize_tokens(x, axis=1)
+    both = jax.lax.dot_general(x, lp[KV_GROUP], (((1,), (1,)), ((), ())),
+                               preferred_element_type=_accumulator(x))  # [T, 2, out]
+    if not scales:
+        return both[:, 0], both[:, 1]
+    return tuple(dequantized(both[:, i], x_scale, s, feature_major=False)
+                 for i, s in enumerate(scales))
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
@@ -204,16 +223,17 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
     split by columns, not rows)."""
     weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
+    scales = _scales(lp, tuple(w for w, _ in pairs))
     if pages is not None:
         return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, x_norm=x_norm,
-                      name=call)
+                      scales=scales, name=call)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, residual=residual,
-                      x_norm=x_norm, name=call)
+                      x_norm=x_norm, scales=scales, name=call)
     if rope is not None or x_norm is not None:
         raise ValueError("RoPE and x's norm need whole products, not a row-split "
                          "projection's")
-    sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, name=call)
+    sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, scales=scales, name=call)
     return _plus(residual, tuple(_finished(y, x.dtype, lp.get(b), shards)
                                  for y, (_, b) in zip(sums, pairs)))
 
@@ -221,6 +241,11 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
 def _plus(residual, outs: tuple) -> tuple:
     """The product added to the residual stream, where there is one (one product)."""
     return outs if residual is None else (residual + outs[0],)
+
+
+def _scales(lp: dict, names: tuple) -> tuple:
+    """An int8 model's scales of the weights `names` at the layer (none for a float model)."""
+    return tuple(lp[n + SCALE_SUFFIX] for n in names if n + SCALE_SUFFIX in lp)
 
 
 def _call_weights(stacked: dict, names: tuple) -> tuple:
@@ -338,8 +363,10 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
                  tokens: int, shards: ShardPlan) -> KernelSet:
     """The MLP's kernel where it takes this shard's weights, after the output projection
     where those fit too and the layer has no output bias, on one chip (else the output
-    projection's row-split partial sums are all-reduced before its residual add)."""
-    if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
+    projection's row-split partial sums are all-reduced before its residual add); not int8's
+    (then the projection kernels' gate and up, and down)."""
+    if (kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms
+            or cfg.quantization):
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
@@ -366,11 +393,11 @@ def _norm(cfg: ModelConfig, x, weight, feature_major: bool):
 
 def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: ForwardBatch,
            written: tuple, ropes: "_Ropes", matrices: tuple | None, stacked: dict,
-           feature_major: bool, norms_in: "_NormsIn", carry, xs):
+           feature_major: bool, norms_in: "_NormsIn", observe: Observe | None, carry, xs):
     x, cache = carry
     lp, layer, window = xs
     cos, sin = ropes.of_layer(window)
-    dot = _layer_dot(lp, matrices, layer, feature_major)
+    dot = _layer_dot(lp, matrices, layer, feature_major, observe)
     project = _layer_projections(kernels, lp, stacked, layer, dot, feature_major)
     with jax.named_scope("qkv"):
         h, h_norm = _input(cfg, x, lp["attn_norm"], norms_in.attention, feature_major)
@@ -421,7 +448,8 @@ def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict,
     h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
     gated_up = kernels.gated_up and functools.partial(
         kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-        x_norm=h_norm, name="gate_up", activation=cfg.activation)
+        x_norm=h_norm, scales=_scales(lp, ("w_gate", "w_up")), name="gate_up",
+        activation=cfg.activation)
     return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual)
 
 
@@ -497,7 +525,8 @@ def _norms_in(cfg: ModelConfig, kernels: KernelSet, stacked: dict, tokens: int) 
 
 def norms_in_kernels(cfg: ModelConfig, tokens: int, q_width: int, kv_width: int,
                      inner_width: int, itemsize: int) -> _NormsIn:
-    """Whether the projection kernels of this shard's widths take the input norms."""
+    """Whether the projection kernels of this shard's widths take the input norms (their
+    weights of `itemsize`)."""
     return _NormsIn(norm_fits(tokens, cfg.hidden_size, q_width, 1, itemsize)
                     and norm_fits(tokens, cfg.hidden_size, kv_width, 2, itemsize),
                     norm_fits(tokens, cfg.hidden_size, inner_width, 2, itemsize))
@@ -512,9 +541,10 @@ def _input(cfg: ModelConfig, x, weight, in_kernels: bool, feature_major: bool) -
 
 
 def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: ForwardBatch,
-                  kernels: KernelSet, shards: ShardPlan = ShardPlan()):
+                  kernels: KernelSet, shards: ShardPlan = ShardPlan(),
+                  observe: Observe | None = None):
     """Final hidden states [T, H] (before the final norm) and the updated cache; under a
-    shard_map when shards.tp > 1."""
+    shard_map when shards.tp > 1. `observe`: shown each XLA dot's input (not the kernels')."""
     x = embed_tokens(params["embed"], batch.tokens, shards)
     if cfg.embed_scale:  # HF casts the scale to the activations' dtype first
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
@@ -538,7 +568,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     norms_in = _norms_in(cfg, kernels, stacked, x.shape[0])
     body = jax.named_scope("layer")(functools.partial(_layer, cfg, shards, kernels, batch,
                                                       written, ropes, matrices, stacked,
-                                                      feature_major, norms_in))
+                                                      feature_major, norms_in, observe))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
     carry = (x.T if feature_major else x, cache)

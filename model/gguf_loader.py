@@ -8,7 +8,6 @@ window (4096) on even layers and soft-caps 50 and 30, Gemma 3's window on five l
 with RoPE base 10,000 there, and the attention scale of the released sizes (head_dim ** -0.5,
 but (hidden / heads) ** -0.5 at 27B).
 """
-import dataclasses
 import os
 
 import numpy as np
@@ -148,12 +147,11 @@ def _dequantized(tensor, cfg: ModelConfig) -> np.ndarray:
     return w
 
 
-def load_gguf_model(path: str, dtype, quantization: str = ""
-                    ) -> tuple[ModelConfig, dict, TextTokenizer]:
+def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file {path}")
     reader = GGUFReader(path)
-    cfg = dataclasses.replace(gguf_config(reader), quantization=quantization)
+    cfg = gguf_config(reader)
     by_name = {hf_name(t.name, cfg): t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:

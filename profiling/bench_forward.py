@@ -201,7 +201,8 @@ def attention_work(cfg: ModelConfig, plan, sizes, itemsize: int,
 
 def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, page_size: int,
          with_lse: bool, itemsize: int, backend: str):
-    """(FLOPs, HBM bytes) of the forward's real work on `tokens` tokens and `rows` rows."""
+    """(FLOPs, HBM bytes, int8 ops) of the forward's real work on `tokens` tokens and `rows`
+    rows: an int8 model's projections and MLP are int8 ops, and its int8 weights a byte."""
     h, kvd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     dense = layer_flops(cfg, tokens)
     per_layer = plan_windows(cfg)
@@ -210,13 +211,20 @@ def work(cfg: ModelConfig, params: dict, batch, tokens: int, rows: int, sizes, p
     attn = [by_window[w] for w in per_layer]
     gather = (streamed_cost(rows, LABELS, cfg.vocab_size, h, streamed_row_block(rows), itemsize)
               if with_lse else label_rows_cost(rows, LABELS, h, itemsize))
-    layer_weights = itemsize * sum(leaf.size for leaf in jax.tree.leaves(
-        (params["layers"], params.get("layer_matrices"))))
+    layer_weights = sum(leaf.size * (1 if leaf.dtype == np.int8 else itemsize)
+                        for leaf in jax.tree.leaves((params["layers"],
+                                                     params.get("layer_matrices"))))
     kv_written = 2 * tokens * kvd * itemsize * cfg.num_layers
-    flops = cfg.num_layers * dense + sum(a.flops for a in attn) + gather.flops
+    projections = cfg.num_layers * dense
+    flops = sum(a.flops for a in attn) + gather.flops
     hbm = (layer_weights + tokens * h * itemsize + sum(a.bytes_accessed for a in attn)
            + kv_written + gather.bytes_accessed)
-    return flops, hbm
+    return (flops, hbm, projections) if cfg.quantization else (flops + projections, hbm, 0)
+
+
+def _roofline(work_done: tuple, seconds: float) -> dict:
+    flops, hbm, int8_ops = work_done
+    return roofline(flops, hbm, seconds, int8_ops)
 
 
 def host_seconds(engine: Engine, entries, labels, shape, repeats: int) -> float:
@@ -248,10 +256,13 @@ def v6e_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, params: dict, entri
     _, batch, sizes = built
     estimate = forward_estimate(cfg, engine_cfg, entries, labels, with_lse, built)
     tokens = sum(e.new_tokens for e in entries)
-    bound = roofline(*work(cfg, params, batch, tokens, len(labels), sizes,
-                           engine_cfg.page_size, with_lse, 2, "pallas"), None)
+    flops, hbm, int8_ops = work(cfg, params, batch, tokens, len(labels), sizes,
+                                engine_cfg.page_size, with_lse, 2, "pallas")
+    bound = roofline(flops, hbm, None, int8_ops)
     return {"seconds": estimate["v6e_estimate_s"], "roofline_s": bound["v6e_roofline_s"],
-            "flops": bound["flops"], "hbm_bytes": bound["hbm_bytes"],
+            "bf16_roofline_s": roofline(flops + int8_ops, hbm, None)["v6e_roofline_s"],
+            "flops": bound["flops"], "int8_ops": bound["int8_ops"],
+            "hbm_bytes": bound["hbm_bytes"],
             "fraction_of_roofline": bound["v6e_roofline_s"] / estimate["v6e_estimate_s"],
             "shape": estimate["shape"], "block_sizes": estimate["block_sizes"],
             "levels": estimate["levels"], "kernels": estimate["kernels"]}
@@ -292,10 +303,9 @@ def run(engine: Engine, buckets: list[int], with_lse: bool, repeats: int,
                          dense * min(rounds[1])),
                      "build_batch_s": host_seconds(engine, entries, labels, shape, repeats),
                      "split_s": split,
-                     **roofline(*work(cfg, runner.params, batch, tokens, len(labels),
+                     **_roofline(work(cfg, runner.params, batch, tokens, len(labels),
                                       runner.sizes, runner.buckets.page_size, with_lse,
-                                      itemsize, runner.backend),
-                                seconds),
+                                      itemsize, runner.backend), seconds),
                      "v6e_estimate": v6e_estimate(cfg, engine.engine_cfg, runner.params,
                                                   entries, labels, with_lse)
                      if estimate else None})

@@ -11,6 +11,7 @@ import numpy as np
 
 from kernels.attention_plan import BlockSizes
 from kernels.backends import TPU_BACKENDS
+from kernels.int8 import int8_runs_on
 from model.batch import ForwardBatch, KVCache, pack
 from model.config import ModelConfig
 from model.decoder import empty_cache
@@ -40,9 +41,10 @@ class ModelRunner:
         devices = list(devices or jax.devices()[:1])
         self.shards, self.mesh = shard_plan(cfg, len(devices)), tp_mesh(devices)
         params = repeat_kv_heads(params, cfg, self.shards.kv_repeat)
-        if backend in TPU_BACKENDS and cfg.quantization:
-            raise ValueError(f"--quantization {cfg.quantization} has no Pallas kernels yet: "
-                             "use --kernel-backend xla")
+        if cfg.quantization and not int8_runs_on(devices[0]):
+            raise ValueError(f"--quantization {cfg.quantization} needs a TPU v5e, v5p or v6e "
+                             f"(int8 into int32 on the MXU), not a {devices[0].device_kind}: "
+                             "serve a 16-bit checkpoint without --quantization")
         if backend in TPU_BACKENDS:
             params = grouped_kv(params)  # stacked as the TPU kernels read them
         elif devices[0].platform == "cpu":

@@ -10,9 +10,10 @@ from safetensors.numpy import load_file
 
 
 class NumpyDecoder:
-    def __init__(self, model_dir: str, int8: bool = False):
+    def __init__(self, model_dir: str, int8: bool = False, smoothing: dict | None = None):
         """`int8`: the layers' linears as W8A8 (weights per output channel and activations per
-        token, symmetric, rounded to nearest; an all-zero row's scale 1)."""
+        token, symmetric, rounded to nearest; an all-zero row's scale 1). `smoothing`: the
+        factors of model.smoothing.smoothing_factors folded into the weights first."""
         self.int8 = int8
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
@@ -28,6 +29,30 @@ class NumpyDecoder:
         self.sandwich = self.arch.startswith(("Gemma2", "Gemma3"))
         self.scale = (c["query_pre_attn_scalar"] if self.sandwich else self.d) ** -0.5
         self.windows = [self._window(i) for i in range(c["num_hidden_layers"])]
+        if smoothing is not None:
+            self._smooth(smoothing)
+
+    def _smooth(self, factors: dict):
+        """SmoothQuant's folding, in HF's layout ([out, in] weights, norms 1 + w in Gemma)."""
+        rep = self.heads // self.kv_heads
+        mlp_norm = "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"
+        for layer in range(self.cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}."
+            f = {k: v[layer].astype(np.float64) for k, v in factors.items()}
+            o_in = np.repeat(f["v"].reshape(self.kv_heads, 1, self.d), rep, axis=1).ravel()
+            for name, by in (("self_attn.q_proj", f["qkv"]), ("self_attn.k_proj", f["qkv"]),
+                             ("self_attn.v_proj", f["qkv"]), ("mlp.gate_proj", f["gate_up"]),
+                             ("mlp.up_proj", f["gate_up"]), ("mlp.down_proj", f["down"]),
+                             ("self_attn.o_proj", o_in)):
+                self.t[p + name + ".weight"] = self.t[p + name + ".weight"] * by
+            for name, by in (("mlp.up_proj.weight", f["down"][:, None]),
+                             ("self_attn.v_proj.weight", f["v"][:, None]),
+                             ("self_attn.v_proj.bias", f["v"])):
+                if p + name in self.t:
+                    self.t[p + name] = self.t[p + name] / by
+            for name, by in (("input_layernorm", f["qkv"]), (mlp_norm, f["gate_up"])):
+                w = self.t[p + name + ".weight"]
+                self.t[p + name + ".weight"] = (1 + w) / by - 1 if self.gemma else w / by
 
     def _window(self, layer: int):
         w = self.cfg.get("sliding_window")

@@ -1,6 +1,10 @@
 """W8A8 int8 on the XLA path (kernels.int8, `--quantization int8`): the quantization rounds to
-nearest and never divides by 0, the decoder's dots in each layout take it, the quantized model
-scores as a NumPy W8A8 decoder does, and what cannot run int8 yet is refused at start-up."""
+nearest and never divides by 0, the decoder's dots in each layout take it, smoothing
+(model.smoothing) keeps the float model and moves activation outliers into the weights, the
+quantized model scores as a NumPy W8A8 decoder does, and what cannot run int8 yet is refused
+at start-up."""
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -12,10 +16,16 @@ from safetensors.numpy import load_file, save_file
 from kernels.int8 import dequantized, int8_matmul, quantize_tokens, quantize_weight
 from model.config import config_from_hf
 from model.loader import load_model
-from model.params import param_dtypes, param_shapes
+from model.params import param_dtypes, param_shapes, quantized
+from model.smoothing import (
+    activation_absmax,
+    calibration_tokens,
+    smoothed,
+    smoothing_factors,
+)
 from runtime.engine import Engine
 from tests.numpy_decoder import NumpyDecoder
-from tests.tiny_models import VOCAB, hf_config, small_config
+from tests.tiny_models import VOCAB, hf_config, small_config, write_checkpoint
 
 import jax.numpy as jnp
 
@@ -68,12 +78,17 @@ def test_an_int8_model_holds_int8_weights_with_float32_scales(model_dirs):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_int8_model_scores_as_a_numpy_w8a8_decoder(model_dirs, family):
-    """Items after a query, multi-item. The median over items: a token's quantization near a
-    rounding tie can round the other way in float64 than in float32, which moves a tiny
-    random model's score (one item in ~20 by 0.02-0.2 in log score); the float model's
-    scores, which the test must tell apart, are 0.1-1.3 away."""
-    engine = Engine.from_path(model_dirs[family], small_config(quantization="int8"))
-    w8a8, float64 = NumpyDecoder(model_dirs[family], int8=True), NumpyDecoder(model_dirs[family])
+    """Items after a query, multi-item, the weights smoothed (model.loader does the same:
+    `test_smoothing_takes_an_outlier_channel_into_the_weights`). The median over items: a
+    token's quantization near a rounding tie can round the other way in float64 than in
+    float32, which moves a tiny random model's score (one item in ~20 by 0.02-0.2 in log
+    score); the float model's scores, which the test must tell apart, are 0.1-1.3 away."""
+    cfg, params, tokenizer = load_model(model_dirs[family], "float32")
+    factors = _factors(cfg, params, tokenizer)
+    engine = Engine(dataclasses.replace(cfg, quantization="int8"),
+                    quantized(smoothed(cfg, params, factors)), tokenizer, small_config())
+    w8a8 = NumpyDecoder(model_dirs[family], int8=True, smoothing=factors)
+    float64 = NumpyDecoder(model_dirs[family])
     rng, labels = np.random.default_rng(1), [0, 5, VOCAB - 1]
     misses, gaps = [], []
     for n in (6, 12, 19, 30):
@@ -86,6 +101,73 @@ def test_the_int8_model_scores_as_a_numpy_w8a8_decoder(model_dirs, family):
     engine.close()
     assert np.median(misses) < 1e-4
     assert np.median(gaps) > 0.05
+
+
+def _factors(cfg, params: dict, tokenizer) -> dict:
+    absmax = activation_absmax(cfg, params, calibration_tokens(tokenizer))
+    return smoothing_factors(cfg, params, absmax)
+
+
+def _scores(engine: Engine, query, items) -> np.ndarray:
+    scores = engine.score(query, items, [0, 5, VOCAB - 1], apply_softmax=False).scores
+    engine.close()
+    return np.log(scores)
+
+
+QUERY, ITEMS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [[5, 3], [5], [8, 9, 7], [9, 3, 2, 3, 8]]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2"])
+def test_smoothing_keeps_the_float_model(model_dirs, tmp_path, family):
+    """Its factors folded into the norms, v's columns and up's (GQA: two query heads a KV
+    head; Qwen2's v bias, Qwen3's q and k norms, Gemma 2's 1 + w norms) leave every score."""
+    path = model_dirs.get(family) or write_checkpoint(str(tmp_path / family), family)
+    cfg, params, tokenizer = load_model(path, "float32")
+    factors = _factors(cfg, params, tokenizer)
+    assert all(np.ptp(f) > 0.1 for f in factors.values())  # channels are moved, and unevenly
+    smooth = Engine(cfg, smoothed(cfg, params, factors), tokenizer, small_config())
+    want = _scores(Engine(cfg, params, tokenizer, small_config()), QUERY, ITEMS)
+    np.testing.assert_allclose(_scores(smooth, QUERY, ITEMS), want, atol=2e-5)
+
+
+def test_smoothing_takes_an_outlier_channel_into_the_weights(model_dirs, tmp_path):
+    """A checkpoint whose norms put one channel's activations 100 times the others' (the
+    projections' rows divided back: the float model is unchanged): rounded to nearest alone,
+    int8 loses the other channels; smoothed, it scores near the float model again."""
+    path = shutil.copytree(model_dirs["llama"], str(tmp_path / "outlier"))
+    file = next(os.path.join(path, p) for p in os.listdir(path) if p.endswith(".safetensors"))
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("input_layernorm.weight",
+                                                   "post_attention_layernorm.weight"))]:
+        tensors[name][7] *= 100
+        reads = ("q", "k", "v") if "input" in name else ("gate", "up")
+        prefix = name.rsplit(".", 2)[0] + (".self_attn." if "input" in name else ".mlp.")
+        for proj in reads:
+            tensors[f"{prefix}{proj}_proj.weight"][:, 7] /= 100
+    save_file(tensors, file)
+    cfg, params, tokenizer = load_model(path, "float32")
+    want = _scores(Engine.from_path(model_dirs["llama"], small_config()), QUERY, ITEMS)
+    np.testing.assert_allclose(_scores(Engine(cfg, params, tokenizer, small_config()), QUERY,
+                                       ITEMS), want, atol=1e-4)
+    rounded = Engine(dataclasses.replace(cfg, quantization="int8"), quantized(params),
+                     tokenizer, small_config())
+    smooth = Engine.from_path(path, small_config(quantization="int8"))
+    rounded_miss = np.abs(_scores(rounded, QUERY, ITEMS) - want).max()
+    smooth_miss = np.abs(_scores(smooth, QUERY, ITEMS) - want).max()
+    assert smooth_miss < rounded_miss / 4
+
+
+def test_the_tpu_backends_xla_dots_below_the_projection_kernel_take_int8(model_dirs):
+    """A tiny Qwen3's weights are not whole lane tiles, so the TPU backend's layers run
+    XLA's dots on its stacks, k's and v's as one group [in, 2, out] (model.params.grouped_kv):
+    int8, they score as the CPU layout's int8 model."""
+    scores = []
+    for backend in ("interpret", "reference"):
+        engine = Engine.from_path(model_dirs["qwen3"], small_config(
+            quantization="int8", kernel_backend=backend, q_block=8, kv_block=16))
+        assert ("w_kv" in engine.runner.params["layers"]) == (backend == "interpret")
+        scores.append(_scores(engine, QUERY, ITEMS))
+    np.testing.assert_allclose(scores[0], scores[1], atol=1e-4)
 
 
 W8A8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
@@ -123,22 +205,18 @@ def compressed_tensors_copy(src: str, dst: str) -> str:
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_a_compressed_tensors_w8a8_checkpoint_serves_its_own_int8_weights(model_dirs, tmp_path,
                                                                           family):
-    """Its int8 values and scales, read as they are (no flag), equal the ones quantizing the
-    float checkpoint at load gives; so do the scores."""
+    """Its int8 values and scales, read as they are (no flag, no smoothing), equal the ones
+    rounding the float checkpoint to nearest gives (as it was written); so do the scores."""
     w8a8 = compressed_tensors_copy(model_dirs[family], str(tmp_path / family))
-    cfg, params, _ = load_model(w8a8)
-    want_cfg, want, _ = load_model(model_dirs[family], "float32", "int8")
-    assert cfg == want_cfg and cfg.quantization == "int8"
-    for key in ("wq", "wq_scale", "w_down", "w_down_scale"):
+    cfg, params, tokenizer = load_model(w8a8, quantization="int8")
+    float_cfg, float_params, _ = load_model(model_dirs[family], "float32")
+    want = quantized(float_params)
+    assert cfg == dataclasses.replace(float_cfg, quantization="int8")
+    for key in ("wq", "wq_scale", "w_down", "w_down_scale", "attn_norm"):
         np.testing.assert_array_equal(params["layers"][key], want["layers"][key])
-    query, items = [3, 1, 4, 1, 5, 9, 2, 6], [[5, 3], [5], [8, 9, 7]]
-    scores = []
-    for path in (w8a8, model_dirs[family]):
-        engine = Engine.from_path(path, small_config(quantization="" if path == w8a8
-                                                     else "int8"))
-        scores.append(engine.score(query, items, [0, 5], apply_softmax=True).scores)
-        engine.close()
-    np.testing.assert_array_equal(scores[0], scores[1])
+    np.testing.assert_array_equal(
+        _scores(Engine.from_path(w8a8, small_config()), QUERY, ITEMS),
+        _scores(Engine(cfg, want, tokenizer, small_config()), QUERY, ITEMS))
 
 
 @pytest.mark.parametrize("change, named", [
@@ -154,11 +232,16 @@ def test_another_compressed_tensors_scheme_is_refused_naming_what_differs(change
 
 
 def test_what_cannot_run_int8_yet_is_refused_naming_the_fix(model_dirs):
+    """TP > 1; TPUs whose Pallas dots do not take int8 (v4; TPU7x, fp8's); other schemes."""
+    import types
+    from kernels.int8 import int8_runs_on
     with pytest.raises(ValueError, match="tp-size"):
         Engine.from_path(model_dirs["qwen3"], small_config(quantization="int8", tp_size=2))
-    with pytest.raises(ValueError, match="kernel-backend xla"):
-        Engine.from_path(model_dirs["qwen3"], small_config(quantization="int8",
-                                                           kernel_backend="interpret"))
+    tpu = functools.partial(types.SimpleNamespace, platform="tpu")
+    assert [int8_runs_on(tpu(device_kind=kind)) for kind in (
+        "TPU v4", "TPU7x", "TPU v5 lite", "TPU v5", "TPU v6 lite")] == [
+        False, False, True, True, True]
+    assert int8_runs_on(types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100"))
     with pytest.raises(ValueError, match="quantization_config 'gptq'"):
         config_from_hf({**hf_config("qwen3"), "quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(ValueError, match="quantization must be one of"):

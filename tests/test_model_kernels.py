@@ -93,9 +93,52 @@ def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, tp, fused
     split over two, the MLP alone (its row-split down's float32 partial sums all-reduced
     before the residual add, as the output projection's): the Pallas kernels in the TPU
     interpreter score as the dense reference, and the gate and up's kernel no longer runs."""
-    from kernels import backends, mlp_kernel, projection_kernel
     from tests.tiny_models import write_checkpoint
-    for module in (projection_kernel, mlp_kernel):  # the tests' batches are small
+    called = _counted_kernels(monkeypatch, ("gated_up", "mlp", "out_and_mlp"),
+                              lambda name, kw: name)
+    _scores_as_reference(write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=6,
+                                          hidden_size=128, intermediate_size=512,
+                                          head_dim=128), tp_size=tp)
+    assert set(called) == {fused}
+
+
+def test_the_int8_projection_kernels_score_as_the_int8_reference(tmp_path, monkeypatch):
+    """An int8 Qwen3 (W8A8, smoothed at load) on the Pallas kernels in the TPU interpreter:
+    every projection on the projection kernel, x quantized per token in VMEM after the input
+    norm it applies, the int32 products dequantized before q's and k's norm and RoPE, the
+    pages, the SiLU and the residual; no MLP kernel (not int8's). It scores as the dense
+    reference's int8 model (XLA's int8 dots), over most items: where the paths' float
+    rounding differs (the norm in the kernel, attention's sums) a token near an int8 rounding
+    tie rounds the other way, which moves a tiny random model's score by up to 0.1."""
+    from tests.tiny_models import write_checkpoint
+    called = _counted_kernels(
+        monkeypatch, ("project", "gated_up", "mlp", "out_and_mlp"),
+        lambda name, kw: (kw.get("name", name), len(kw.get("scales", ())),
+                          kw.get("x_norm") is not None))
+    path = write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=7, hidden_size=128,
+                            intermediate_size=256, head_dim=128)
+    rng = np.random.default_rng(0)
+    query, items = rng.integers(0, 300, 21).tolist(), [rng.integers(0, 300, n).tolist()
+                                                       for n in (1, 3, 5, 8, 2, 13, 4, 6)]
+    scores = []
+    for kw in (dict(kernel_backend="interpret", q_block=8, kv_block=16, quantization="int8"),
+               dict(kernel_backend="reference", quantization="int8"),
+               dict(kernel_backend="reference")):
+        engine = Engine.from_path(path, small_config(**kw))
+        scores.append(np.log(engine.score(query, items, [3, 4, 5]).scores))
+        engine.close()
+    misses, gaps = (np.abs(scores[0] - other).max(axis=1) for other in scores[1:])
+    assert np.median(misses) < 1e-4 and np.median(gaps) > 0.05, (misses, gaps)
+    assert set(called) == {("project_q", 1, True), ("project_kv", 2, True),
+                           ("gate_up", 2, True), ("project_out", 1, False),
+                           ("project_down", 1, False)}
+
+
+def _counted_kernels(monkeypatch, names: tuple, key) -> list:
+    """The projection and MLP kernels at every batch size (the tests' batches are small),
+    each call of the backends' `names` recorded as key(name, its keywords)."""
+    from kernels import backends, mlp_kernel, projection_kernel
+    for module in (projection_kernel, mlp_kernel):
         monkeypatch.setattr(module, "MIN_TOKENS", 0)
         monkeypatch.setattr(module, "NORM_MIN_STEPS", 1)
     called = []
@@ -104,15 +147,12 @@ def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, tp, fused
         kernel = getattr(backends, name)
 
         def counted(*args, **kw):
-            called.append(name)
+            called.append(key(name, kw))
             return kernel(*args, **kw)
         return counted
-    for name in ("gated_up", "mlp", "out_and_mlp"):
+    for name in names:
         monkeypatch.setattr(backends, name, counting(name))
-    _scores_as_reference(write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=6,
-                                          hidden_size=128, intermediate_size=512,
-                                          head_dim=128), tp_size=tp)
-    assert set(called) == {fused}
+    return called
 
 
 def _scores_as_reference(path: str, **kernel_config):

@@ -250,6 +250,46 @@ def test_a_windowed_models_work_counts_each_layer_at_its_plan():
     assert unwindowed - windowed == pytest.approx(22 * (full - window))
 
 
+def test_an_int8_models_work_counts_its_projections_at_the_int8_rate():
+    """Qwen3-0.6B at 2,048 tokens in int8 (W8A8): its projections' and MLP's FLOPs are int8
+    ops, which the roofline prices at 1,836 TOPS, and its linears' weights a byte each."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from model.params import param_dtypes, param_shapes
+    from profiling.bench_forward import filled_batch, layer_flops, work
+    from profiling.bench_host_work import bucket_config
+    from profiling.v6e.compile import STUDY_MODELS
+    from profiling.v6e.forward_estimate import v6e_batch
+    from profiling.v6e.roofline import roofline
+    cfg = STUDY_MODELS["Qwen3-0.6B"]
+    engine_cfg = bucket_config(2048, "bfloat16")
+    entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0))
+    _, batch, sizes = v6e_batch(cfg, engine_cfg, entries, labels)
+    done = {}
+    for c in (cfg, dataclasses.replace(cfg, quantization="int8")):
+        params = jax.tree.map(jax.ShapeDtypeStruct, param_shapes(c), param_dtypes(c, "bfloat16"),
+                              is_leaf=lambda x: isinstance(x, tuple))
+        done[c.quantization] = work(c, params, batch, 2048, len(labels), sizes,
+                                    engine_cfg.page_size, True, 2, "pallas")
+    (flops, hbm, none), (rest, int8_hbm, int8_ops) = done[""], done["int8"]
+    assert none == 0 and int8_ops == cfg.num_layers * layer_flops(cfg, 2048)
+    assert rest + int8_ops == flops
+    linears = sum(np.prod(s) for k, s in param_shapes(cfg)["layers"].items()
+                  if k.startswith("w"))
+    scales = sum(np.prod(s) for k, s in param_shapes(
+        dataclasses.replace(cfg, quantization="int8"))["layers"].items()
+        if k.endswith("_scale"))
+    assert hbm - int8_hbm == linears - 2 * scales
+    bf16, int8 = roofline(flops, hbm, None), roofline(rest, int8_hbm, None, int8_ops)
+    assert bf16["bound_by"] == "compute"  # int8's half the MXU time: HBM's, here
+    assert int8["v6e_roofline_s"] == pytest.approx(max((rest + int8_ops / 2) / 918e12,
+                                                       int8_hbm / 1.64e12))
+    assert int8["v6e_roofline_s"] < 0.7 * bf16["v6e_roofline_s"]
+
+
 def test_bench_layer_layout_times_every_layout_on_the_same_work(model_dirs, tmp_path):
     out = tmp_path / "layouts.json"
     subprocess.run([sys.executable, "-m", "profiling.bench_layer_layout", "--model-path",

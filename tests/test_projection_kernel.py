@@ -456,6 +456,48 @@ def test_a_layers_projections_compile_for_v6e(model):
     assert sorted(mosaic_kernels(compiled)) == sorted(shapes)
 
 
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128), ProjectionBlocks(32, 256)])
+def test_int8_weights_multiply_x_quantized_per_token(blocks):
+    """int8 weights (a stack, and k's and v's group) with their scales at the layer: x
+    quantized per token in VMEM (after its norm, where the kernel norms it), int8 times int8
+    into int32, dequantized before the bias and the residual add, SiLU times up: the
+    references' bits (kernels.int8's XLA product; the SiLU within float32 rounding); float
+    weights with scales, or int8 weights without, are refused."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.int8 import quantize_weight
+    from kernels.projection_kernel import InputNorm
+    x, w, b, norm = _arrays(jnp.bfloat16, 8, (32, 128), (3, 2, 128, 256), (256,), (128,))
+    pairs = [[quantize_weight(w[layer, i], axis=0) for i in range(2)] for layer in range(3)]
+    w8 = jnp.asarray(np.array([[v for v, _ in layer] for layer in pairs]))  # [3, 2, 128, 256]
+    scales = jnp.asarray(np.array([[s for _, s in layer] for layer in pairs]))  # [3, 2, 256]
+    interpret = pltpu.InterpretParams(detect_races=True)
+    # in float32: XLA may skip rounding a bfloat16 norm before the reference's quantization
+    x32, x_norm = x.astype(jnp.float32), InputNorm(norm.astype(jnp.float32), 1e-6)
+    normed_blocks = blocks and ProjectionBlocks(blocks.rows, 256)  # a normed step: all columns
+    for layer in range(3):
+        at, s = jnp.int32(layer), tuple(scales[layer])
+        got = project(x, (w8,), (b, b), layer=at, scales=s, blocks=blocks, interpret=interpret)
+        want = project_reference(x, (w8,), (b, b), layer=layer, scales=s)
+        for g, r in zip(got, want):
+            np.testing.assert_array_equal(_f32(g), _f32(r))
+        (got,) = project(x[:, :128], (w8[:, 0, :, :128],), layer=at, scales=(s[0][:128],),
+                         residual=x, blocks=blocks and ProjectionBlocks(blocks.rows, 128),
+                         interpret=interpret)
+        np.testing.assert_array_equal(_f32(got), _f32(project_reference(
+            x[:, :128], (w8[:, 0, :, :128],), layer=layer, scales=(s[0][:128],),
+            residual=x)[0]))
+        gated = gated_up(x32, w8[:, 0], w8[:, 1], layer=at, scales=s, x_norm=x_norm,
+                         blocks=normed_blocks, interpret=interpret)
+        np.testing.assert_allclose(gated, gated_up_reference(  # the SiLU's float32 rounding
+            x32, w8[:, 0], w8[:, 1], layer=layer, scales=s, x_norm=x_norm), rtol=2e-5,
+            atol=1e-5)
+    assert not interpret_pallas_call.races.races_found
+    with pytest.raises(ValueError, match="int8 weights' float32 scales"):
+        project(x, (w8[0, 0],), interpret=True)
+    with pytest.raises(ValueError, match=r"of \['bfloat16'\], .* scales \[\(256,\)\]"):
+        project(x, (w[0, 0],), scales=(scales[0, 0],), interpret=True)
+
+
 def q_projection(tokens: int):
     """Qwen3-0.6B's q projection over `tokens`, for compile_schedules."""
     depth, width, _, _ = decoder.projection_shapes(SIZED_MODELS["Qwen3-0.6B"])["project_q"]

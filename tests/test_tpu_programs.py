@@ -8,11 +8,16 @@ compiles any of them); so the embedded model compiles one bucket of each kind of
 operand shapes, and every other configuration one bucket, or the largest where memory is
 the question.
 """
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from model.decoder import norms_in_kernels, projection_shapes
+from model.params import param_dtypes, param_shapes
 from profiling.v6e.compile import (
     SIZED_MODELS,
     V6E_HBM_BYTES,
@@ -101,6 +106,26 @@ def test_sized_model_programs_compile_for_v6e(model, tp, tokens, kernels):
     if tp > 1:  # each chip holds its own KV heads only
         assert programs.pool_bytes * tp == server_programs(
             EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES).pool_bytes
+
+
+def test_an_int8_models_program_compiles_for_v6e():
+    """Qwen3-0.6B in int8 (W8A8) at 2,048 tokens: every projection on its kernel, int8
+    weights read at the layer, x quantized in the kernels after the input norms they apply
+    (no MLP kernel: not int8's), the pool updated in place; its arguments the pool, the batch
+    and the weights at a byte each (bfloat16 embeddings and norms, float32 scales)."""
+    cfg = dataclasses.replace(SIZED_MODELS["Qwen3-0.6B"], quantization="int8")
+    programs = server_programs(EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES)
+    compiled = programs.get(programs.buckets.shape(2048))
+    widths = [projection_shapes(cfg)[k][1] for k in ("project_q", "project_kv", "gate_up")]
+    assert all(norms_in_kernels(cfg, 2048, *widths, itemsize=1))
+    assert mosaic_kernels(compiled) == INTO_PAGES
+    assert_in_place(programs, compiled)
+    shapes, dtypes = param_shapes(cfg), param_dtypes(cfg, jnp.bfloat16)
+    weights = sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in zip(
+        jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(dtypes)))
+    assert hbm_bytes(compiled)["argument"] - programs.pool_bytes == pytest.approx(weights,
+                                                                                  rel=0.01)
 
 
 def test_default_pool_fits_a_32_gib_v6e():

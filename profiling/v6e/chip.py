@@ -8,7 +8,8 @@ v6e") gives the fit, the held-out cases and the command, commit and date.
 """
 import dataclasses
 
-V6E_FLOPS = 918e12   # bf16 FLOP/s of one chip's MXUs (int8: twice that)
+V6E_FLOPS = 918e12   # bf16 FLOP/s of one chip's MXUs
+V6E_INT8_OPS = 2 * V6E_FLOPS  # int8 multiply-adds x 2 a second: 1,836 TOPS
 V6E_HBM_PEAK_BYTES_PER_S = 1.64e12  # the roofline's; what DMAs reach: V6E.hbm_bytes_per_s
 
 

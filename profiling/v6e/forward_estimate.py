@@ -154,11 +154,12 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
              and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
     into_pages = "write_kv_pages" not in schedules  # k and v go to pages in their projection
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
+    weight_itemsize = 1 if cfg.quantization else 2
     paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
              if into_pages else {})
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        blocks[name], paged.get(name))
+        blocks[name], paged.get(name), weight_itemsize)
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     out_depth = projection_shapes(cfg)["project_out"][0]
@@ -212,14 +213,14 @@ def _projection_blocks(cfg: ModelConfig, tokens: int, page_size: int,
                        into_pages: bool) -> dict:
     """Each call's blocks, as the model's calls take them (model.decoder): k's and v's into
     pages, the input norms in the calls that read them where they fit."""
-    shapes = projection_shapes(cfg)
+    shapes, weight_itemsize = projection_shapes(cfg), 1 if cfg.quantization else 2
     norms = norms_in_kernels(cfg, tokens, shapes["project_q"][1], shapes["project_kv"][1],
-                             shapes["gate_up"][1], 2)
+                             shapes["gate_up"][1], weight_itemsize)
     normed = (("project_q", "project_kv") if norms.attention else ()) + (
         ("gate_up",) if norms.mlp else ())
     return {name: call_blocks(tokens, *shapes[name][:3], 2,
                               page_size if into_pages and name == "project_kv" else None,
-                              name in normed) for name in shapes}
+                              name in normed, weight_itemsize) for name in shapes}
 
 
 def _rope_estimate(cfg: ModelConfig, shape: BatchShape, schedule) -> dict:

@@ -189,7 +189,8 @@ class PageRuns:
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
                         weights: int, outputs: int, itemsize: int, rope_group: int = 0,
                         blocks: ProjectionBlocks | None = None,
-                        pages: PageRuns | None = None) -> dict:
+                        pages: PageRuns | None = None, weight_itemsize: int | None = None
+                        ) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
     fill (the first block of x and the first chunk of the first weight block, copied in
@@ -202,16 +203,18 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     (the last step's output blocks, written after it). Into pages, its outputs' bytes are
     the pages' (and its drain an upper bound: the pages of a step's sub-blocks but its last
     are copied while it computes), and a branch that copies them a page at a time is taken
-    in the steps `pages` says."""
-    blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize)
+    in the steps `pages` says. int8 weights: `weight_itemsize` 1 (x's `itemsize` else)."""
+    blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize,
+                                         weight_itemsize)
     steps = blocks.steps(tokens, width)
-    block_weights = weights * depth * blocks.columns * itemsize
+    block_weights = weights * depth * blocks.columns * (weight_itemsize or itemsize)
     chunk = first_chunk_columns(width, blocks)
     fill = blocks.rows * depth * itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
     drain = outputs * blocks.rows * blocks.columns * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
-                                   blocks, rope_group) - fill - later - drain) / steps
+                                   blocks, rope_group, weight_itemsize)
+                  - fill - later - drain) / steps
     first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1,
                                         pages)
     if steps == 1:  # no grid loop: the listing's prologue is the step
