@@ -3,7 +3,7 @@ model in float32, in bfloat16 and in int8, compared query by query: int8 against
 model (the targets), and bfloat16 against float32 beside it, what 16 bits' own rounding moves.
 
 python -m profiling.int8_ranking [--model_path DIR|FILE.gguf] [--queries 200] [--items 20]
-    [--dtype float32] [--out ranking.json]
+    [--dtype float32] [--rerank_template qwen3-reranker] [--out ranking.json]
 
 The scoring set is made here, from word lists of this file (ours to ship): each query asks for
 a kind of thing for a purpose ("a kitchen tool for baking bread"), its items name things of
@@ -11,7 +11,10 @@ several kinds with an adjective, and the score is SGLang's: the probability of "
 " no" after "Is this a good match? Answer yes or no:". Per query: Spearman's correlation of
 the item scores and whether the top item agrees; over all: the mean and worst correlation, the
 top-1 agreement and the largest probability difference. Targets (issue 75), int8 against
-bfloat16: mean Spearman >= 0.98, top-1 agreement >= 95%.
+bfloat16: mean Spearman >= 0.98, top-1 agreement >= 95%. With --rerank_template, the same
+queries and items go through /v1/rerank's path instead (`Engine.rerank`, that template:
+"a kitchen tool for baking bread" against "a sturdy whisk"), the score each document's
+relevance.
 """
 import time
 
@@ -55,6 +58,8 @@ def define_flags() -> None:
     flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "what the int8 model "
                       "computes in besides its int8 dots")
     flags.DEFINE_integer("seed", 0, "seed of the scoring set")
+    flags.DEFINE_string("rerank_template", "", "score by reranking with this template (a "
+                        "built-in name, e.g. qwen3-reranker) instead of SGLang's yes/no score")
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
@@ -92,6 +97,24 @@ def scores(engine: Engine, cases) -> tuple[np.ndarray, float]:
     return np.array(out)[:, :, 0], time.perf_counter() - start
 
 
+def rerank_case(query: str, items: list[str]) -> tuple[str, list[str]]:
+    """A scoring case as a rerank request: "a kitchen tool for baking bread" and its items'
+    names ("a sturdy whisk")."""
+    return (query.removeprefix("Query: I am looking for ").removesuffix(".\nItem:"),
+            [item.removesuffix(SUFFIX).strip() for item in items])
+
+
+def relevances(engine: Engine, cases) -> tuple[np.ndarray, float]:
+    """Each item's relevance [queries, items] by `Engine.rerank`, in the items' order, and the
+    seconds it took."""
+    start = time.perf_counter()
+    out = []
+    for query, items in cases:
+        by_index = dict(engine.rerank(*rerank_case(query, items)).ranking)
+        out.append([by_index[i] for i in range(len(items))])
+    return np.array(out), time.perf_counter() - start
+
+
 def compare(base: np.ndarray, int8: np.ndarray) -> dict:
     rho = np.array([spearman(a, b) for a, b in zip(base, int8)])
     top1 = np.mean(np.argmax(base, axis=1) == np.argmax(int8, axis=1))
@@ -111,16 +134,21 @@ def main(argv) -> None:
     for name, dtype, quantization in (("float32", "float32", ""), ("bfloat16", "bfloat16", ""),
                                       ("int8", FLAGS.dtype, "int8")):
         engine = Engine.from_path(FLAGS.model_path, EngineConfig(
-            dtype=dtype, quantization=quantization, warmup=False))
-        runs[name] = scores(engine, cases)
+            dtype=dtype, quantization=quantization, warmup=False,
+            rerank_template=FLAGS.rerank_template))
+        runs[name] = (relevances if FLAGS.rerank_template else scores)(engine, cases)
         engine.close()
     pairs = {f"{a} against {b}": compare(runs[b][0], runs[a][0]) for a, b in PAIRS}
     result = {"queries": FLAGS.queries, "items": FLAGS.items, "model_path": FLAGS.model_path,
-              "int8_dtype": FLAGS.dtype, "pairs": pairs,
+              "rerank_template": FLAGS.rerank_template, "int8_dtype": FLAGS.dtype,
+              "pairs": pairs,
               "seconds": {name: run[1] for name, run in runs.items()}}
-    print(f"{FLAGS.queries} queries x {FLAGS.items} items (int8 in {FLAGS.dtype} besides its "
-          "dots); targets: int8 against bfloat16, mean Spearman >= 0.98, top-1 >= 95%")
-    print("| pair | mean Spearman | worst | top-1 agreement | largest P(yes) difference |")
+    scored = (f"reranked ({FLAGS.rerank_template})" if FLAGS.rerank_template
+              else "scored (P(yes))")
+    print(f"{FLAGS.queries} queries x {FLAGS.items} items {scored}, int8 in {FLAGS.dtype} "
+          "besides its dots; targets: int8 against bfloat16, mean Spearman >= 0.98, top-1 >= "
+          "95%")
+    print("| pair | mean Spearman | worst | top-1 agreement | largest score difference |")
     print("|---|---|---|---|---|")
     for name, r in pairs.items():
         print(f"| {name} | {r['mean_spearman']:.4f} | {r['min_spearman']:.4f} | "

@@ -249,11 +249,15 @@ def test_what_cannot_run_int8_yet_is_refused_naming_the_fix(model_dirs):
 
 
 def test_the_ranking_studys_measures():
-    """profiling.int8_ranking: a fixed scoring set, Spearman's correlation, top-1 agreement."""
-    from profiling.int8_ranking import compare, scoring_set, spearman
+    """profiling.int8_ranking: a fixed scoring set (as rerank requests too), Spearman's
+    correlation, top-1 agreement."""
+    from profiling.int8_ranking import compare, rerank_case, scoring_set, spearman
     cases = scoring_set(3, 20, seed=0)
     assert cases == scoring_set(3, 20, seed=0) and len(cases[1][1]) == 20
     assert len(set(cases[0][1])) == 20 and cases[0][0].startswith("Query: ")
+    assert rerank_case("Query: I am looking for a toy for a rainy day.\nItem:",
+                       [" a cheap kite\nIs this a good match? Answer yes or no:"]) == (
+        "a toy for a rainy day", ["a cheap kite"])
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     base = np.array([[0.1, 0.5, 0.3], [0.2, 0.1, 0.9]])
