@@ -71,9 +71,7 @@ def _stacked(get: GetTensor, cfg: ModelConfig, key: str, shape, dtype) -> dict:
     W8A8 checkpoint as its int8 values and per-channel scales (kernels.int8)."""
     names = [hf_layer_name(key, i, cfg) for i in range(cfg.num_layers)]
     if key in _LINEARS and cfg.quantization:
-        layers = [_int8_weight(get, name, shape) for name in names]
-        return {key: np.stack([v for v, _ in layers]),
-                key + SCALE_SUFFIX: np.stack([s for _, s in layers])}
+        return _int8_stacks(key, [_int8_weight(get, name, shape) for name in names])
     stacked = np.stack([_checked(get, name, shape) for name in names]).astype(np.float32)
     if key in _LINEARS:
         stacked = stacked.transpose(0, 2, 1)
@@ -97,10 +95,15 @@ def quantized(params: dict) -> dict:
     channel float32 scales (kernels.int8), a layer at a time."""
     layers = dict(params["layers"])
     for key in _LINEARS:
-        pairs = [quantize_weight(w, axis=0) for w in layers.pop(key)]
-        layers[key] = np.stack([values for values, _ in pairs])
-        layers[key + SCALE_SUFFIX] = np.stack([scale for _, scale in pairs])
+        layers.update(_int8_stacks(key, [quantize_weight(w, axis=0) for w in layers.pop(key)]))
     return {**params, "layers": layers}
+
+
+def _int8_stacks(key: str, layers: list) -> dict:
+    """Each layer's (int8 values, scales) of the linear `key` as two stacks: `key` and its
+    scales'."""
+    return {key: np.stack([values for values, _ in layers]),
+            key + SCALE_SUFFIX: np.stack([scale for _, scale in layers])}
 
 
 def _norm_weight(cfg: ModelConfig, w: np.ndarray, dtype) -> np.ndarray:

@@ -5,6 +5,7 @@ no TPU ran it.
 """
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from kernels.attention_plan import host_plan, visited_kv_blocks
@@ -20,6 +21,7 @@ from kernels.ragged_paged_attention import written_pages
 from kernels.ragged_paged_attention_kernel import whole_block_steps
 from kernels.rope_kernel import lane_group, padded_width, rope_kernel_applies
 from model.config import ModelConfig
+from model.params import param_dtype
 from model.decoder import (
     ROTATED_PROJECTIONS,
     block_page_ids,
@@ -154,12 +156,11 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
              and "qk_norm_rope" not in schedules else 0)  # q's and k's RoPE in projections
     into_pages = "write_kv_pages" not in schedules  # k and v go to pages in their projection
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
-    weight_itemsize = 1 if cfg.quantization else 2
     paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
              if into_pages else {})
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        blocks[name], paged.get(name), weight_itemsize)
+        blocks[name], paged.get(name), _weight_itemsize(cfg))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     out_depth = projection_shapes(cfg)["project_out"][0]
@@ -209,11 +210,16 @@ def _page_runs(batch, blocks, page_size: int) -> PageRuns:
     return PageRuns(2 * sub_block_rows(blocks.rows) // page_size, share)
 
 
+def _weight_itemsize(cfg: ModelConfig) -> int:
+    """Bytes of a projection weight's element in the bfloat16 server (an int8 model's: 1)."""
+    return param_dtype(cfg, "wq", jnp.bfloat16).itemsize
+
+
 def _projection_blocks(cfg: ModelConfig, tokens: int, page_size: int,
                        into_pages: bool) -> dict:
     """Each call's blocks, as the model's calls take them (model.decoder): k's and v's into
     pages, the input norms in the calls that read them where they fit."""
-    shapes, weight_itemsize = projection_shapes(cfg), 1 if cfg.quantization else 2
+    shapes, weight_itemsize = projection_shapes(cfg), _weight_itemsize(cfg)
     norms = norms_in_kernels(cfg, tokens, shapes["project_q"][1], shapes["project_kv"][1],
                              shapes["gate_up"][1], weight_itemsize)
     normed = (("project_q", "project_kv") if norms.attention else ()) + (
