@@ -11,7 +11,8 @@ weights whole in VMEM where they fit (`projection_blocks`), so each is read from
 and the weights are read from the layer loop's stacks where they lie. k's and v's products
 can go straight into their pages of the KV pool instead of out (`PageWrite`), a block of rows
 a page. int8 weights (W8A8, kernels.int8) multiply x quantized per token in VMEM (after its
-norm, where the kernel norms it), into int32, dequantized before the rest of the epilogue.
+norm, where the kernel norms it; before the call, once, where a step holds a block of the
+columns), into int32, dequantized before the rest of the epilogue.
 """
 import dataclasses
 import functools
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels.int8 import dequantized, int8_matmul, quantize_tokens
+from kernels.quantize_kernel import quantized_rows
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
 from kernels.tpu_tiles import LANES, SUBLANES, row_block
@@ -113,6 +115,19 @@ def first_step_waits(chunks: int) -> list[range]:
                          for c in range(1, chunks, FIRST_STEP_WAIT_CHUNKS)]
 
 
+def x_comes_quantized(blocks: ProjectionBlocks, width: int, int8: bool) -> bool:
+    """Whether an int8 call quantizes x (after its norm, where it takes one) before the
+    kernel, in kernels.quantize_kernel's (`quantize_kernel_name`): where a step holds a block
+    of the columns, so that no block of x is quantized again at each of them (a step holding
+    them all quantizes its block in VMEM)."""
+    return int8 and not blocks.all_columns(width)
+
+
+def quantize_kernel_name(call: str) -> str:
+    """The name of the kernel quantizing x before the projection kernel `call`."""
+    return f"quantize_{call}"
+
+
 def projection_kernel_applies(tokens: int, shapes) -> bool:
     """Whether the kernel takes `tokens` times weights of these [in, out] shapes: weights of
     whole lane tiles both ways (XLA tiles other widths' stacks in a layout the kernel's
@@ -169,11 +184,12 @@ def added(residual, y):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """What a call's kernel takes after x: a stack for each of `groups` (its count of
-    weights), a bias for each weight (where `biased`), RoPE's two tables and norm weight
-    (where `rope` is (head_dim, eps, normed)), a block of the residual stream, x's norm
-    weight, then its outputs (or, `paged`, the pools); a step sees the weights' blocks in
-    place of the stacks (and the staging buffers in place of the pools)."""
+    """What a call's kernel takes after x (and its scales, where it comes quantized): a stack
+    for each of `groups` (its count of weights), a bias for each weight (where `biased`),
+    RoPE's two tables and norm weight (where `rope` is (head_dim, eps, normed)), a block of
+    the residual stream, x's norm weight, the weights' int8 scales, then its outputs (or,
+    `paged`, the pools); a step sees the weights' blocks in place of the stacks (and the
+    staging buffers in place of the pools)."""
     groups: tuple[int, ...]
     biased: bool
     gated: bool
@@ -183,8 +199,7 @@ class _Layout:
     x_norm: float | None = None  # x is RMS-normed first (its eps; its weight after the residual)
     activation: str = "silu"  # of a gated call's gate
     int8: bool = False  # int8 weights: x quantized per token; their scales [n, out] last
-    quantize_once: bool = False  # int8 in blocks of columns: a block of x quantized at its
-    #                              first, kept in VMEM for the others (the last two scratch)
+    x_quantized: bool = False  # x comes int8, its per-token scales [T, 1] right after it
 
     @property
     def weights(self) -> int:
@@ -208,7 +223,8 @@ def sub_block_rows(rows: int) -> int:
     return row_block(rows, lambda r: r <= _MAX_ROWS, least=_LEAST_ROWS)
 
 
-def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None, once=None):
+def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None,
+          x_scale_ref=None):
     """One block of tokens times one block of each weight's columns, finished: the first
     product normed and rotated where the call has RoPE. The block's rows go through in
     sub-blocks of at most `_MAX_ROWS` (where a power of two divides them), one after another
@@ -216,8 +232,7 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None, onc
     next one's products (at 2048 tokens, q's step with its norm and RoPE fell from 8,824
     bundles to 6,914; docs/tpu_v6e.md); each sub-block's columns in chunks of `chunk`, the
     first sub-block's after `ready(chunk index)`; `after(first_row, rows)` follows each
-    sub-block. `once`: x's int8 values and scales in VMEM and the column block
-    (`_quantized_once`)."""
+    sub-block. `x_scale_ref`: x's per-token scales, where x comes quantized."""
     w_refs, b_refs, rope_refs, residual, x_norm, scales, out_refs = layout.split(refs)
     block = sub_block_rows(x_ref.shape[0])
     for start in range(0, x_ref.shape[0], block):
@@ -225,13 +240,13 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None, onc
         waits = ready if start == 0 else None
         if waits is not None:  # before x's norm, which then overlaps the first products
             waits(0)
-        if once is None:
+        if x_scale_ref is None:
             x = x_ref[rows, :]
             if x_norm:
                 x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
             operand = _operand(x, scales)
         else:
-            operand = _quantized_once(x_ref, rows, scales, *once)
+            operand = x_ref[rows, :], x_scale_ref[rows, :], scales[0]
         product = functools.partial(_products, *operand)
         chunks = [pl.ds(first, chunk) for first in range(0, w_refs[0].shape[-1], chunk)]
         products = product(w_refs, chunks[0])
@@ -253,17 +268,6 @@ def _operand(x, scales: list) -> tuple:
     if not scales:
         return x, None, None
     return (*quantize_tokens(x, axis=1), scales[0])
-
-
-def _quantized_once(x_ref, rows, scales: list, values_ref, scales_ref, column_block) -> tuple:
-    """`_operand` of x's `rows`, quantized at the first column block into VMEM, and read
-    back there at every block (a row block's steps run one after another)."""
-    @pl.when(column_block == 0)
-    def _():
-        values, x_scale = quantize_tokens(x_ref[rows, :], axis=1)
-        values_ref[rows, :] = values
-        scales_ref[rows, :] = x_scale
-    return values_ref[rows, :], scales_ref[rows, :], scales[0]
 
 
 def _products(x, x_scale, w_scales, w_refs, columns) -> list:
@@ -326,10 +330,8 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
     # with pages: the blocks' pages, and which steps' pages follow each other
     layer_ref, *page_refs = refs[:1 + 2 * layout.paged]
     x_ref, *refs = refs[1 + 2 * layout.paged:]
+    x_scale_ref = refs.pop(0) if layout.x_quantized else None
     w_hbm, rest = refs[:len(layout.groups)], refs[len(layout.groups):]
-    once = None
-    if layout.quantize_once:
-        rest, once = rest[:-2], (*rest[-2:], pl.program_id(1))
     if layout.paged:  # then: the pools in (aliased), the pools out, the staging buffer
         *step_refs, _, _, k_pages, v_pages, w_vmem, copied, first, staging, page_sems = rest
     else:
@@ -377,7 +379,7 @@ def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
         """Each step's products, the first step's each after its chunk of weights: two
         bodies, so that no wait stands between the other steps' chunks."""
         run = functools.partial(_step, x_ref, *weights, *step_refs, layout=layout,
-                                chunk=chunk, after=after, once=once)
+                                chunk=chunk, after=after, x_scale_ref=x_scale_ref)
         if chunk == columns:
             pl.when(step == 0)(lambda: ready(0))
             run()
@@ -506,6 +508,11 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         pages.check(tokens, width, outputs, blocks, out_dtype)
     if residual is not None:
         _check_residual(residual, (tokens, width), out_dtype, outputs, pages is not None)
+    x_scale = ()  # x's per-token scales, where it comes quantized (and normed)
+    if x_comes_quantized(blocks, width, bool(scales)):
+        x, scale = quantized_rows(x, *((x_norm.weight, x_norm.eps) if x_norm else ()),
+                                  name=quantize_kernel_name(name), interpret=interpret)
+        x_scale, x_norm = (scale,), None
     if x_norm is not None:
         x_norm.check(depth, blocks, width)
     slots = 1 if blocks.all_columns(width) else 2
@@ -513,12 +520,12 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps, activation,
-                     bool(scales), bool(scales) and not blocks.all_columns(width))
+                     bool(scales), bool(x_scale))
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
                                                     blocks.rows // pages.k_pages.shape[3])])
-    operands = [x, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
+    operands = [x, *x_scale, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
                 *([] if residual is None else [residual]),
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)]),
                 *([jnp.stack(scales)] if scales else [])]
@@ -531,6 +538,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             num_scalar_prefetch=len(scalars),
             grid=(tokens // blocks.rows, width // blocks.columns),
             in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, *_: (i, 0))]
+            + [pl.BlockSpec((blocks.rows, 1), lambda i, j, *_: (i, 0))] * len(x_scale)
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
             + _rope_specs(rope, blocks.rows) + out.residual_specs(residual)
@@ -541,9 +549,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             scratch_shapes=[pltpu.VMEM((slots, n, depth, blocks.columns), weights[0].dtype),
                             pltpu.SemaphoreType.DMA((slots, n)),
                             pltpu.SemaphoreType.DMA((blocks.columns // chunk, n))]
-            + out.scratch()
-            + ([pltpu.VMEM((blocks.rows, depth), jnp.int8),
-                pltpu.VMEM((blocks.rows, 1), jnp.float32)] if layout.quantize_once else [])),
+            + out.scratch()),
         out_shape=out.shapes(),
         input_output_aliases=out.aliases(len(scalars) + len(operands)),
         # sequential: a step copies in the next step's weights (and writes the pages of the
@@ -619,7 +625,8 @@ class InputNorm:
     """x's RMSNorm (the layer's input norm, kernels.rms_norm: statistics in float32, the
     product in the weight's dtype) applied to each block of x in VMEM before the products:
     its weight [in] and eps. A step must hold every column, so that a block of x is normed
-    once (`norm_fits`)."""
+    once (`norm_fits`); int8 weights in blocks of columns take x normed as it is quantized,
+    before the call (`x_comes_quantized`)."""
     weight: jax.Array
     eps: float
 
@@ -634,9 +641,12 @@ def norm_fits(tokens: int, depth: int, width: int, weights: int, itemsize: int) 
     holds every column, and at least NORM_MIN_STEPS steps of rows, over which the weights'
     one copy, at the first, is spread (at 512 tokens, one step, gate and up's 12 MiB of
     weights outlast its products: Qwen3-0.6B's forward 1.786 -> 1.828 ms in the v6e
-    estimate, with the first step's weights in chunks). `itemsize`: the weights'."""
+    estimate, with the first step's weights in chunks). `itemsize`: the weights'. int8
+    weights (1) that do not fit whole take x normed as it is quantized, before the call."""
     blocks = row_stream_blocks(tokens, depth, width, weights, itemsize)
-    return blocks is not None and tokens // blocks.rows >= NORM_MIN_STEPS
+    if blocks is None:
+        return itemsize == 1
+    return tokens // blocks.rows >= NORM_MIN_STEPS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,8 +62,9 @@ def define_engine_flags() -> None:
                       "kernels on TPU, the planned XLA path elsewhere")
     flags.DEFINE_alias("attention_backend", "kernel_backend")  # SGLang's name
     flags.DEFINE_enum("quantization", "none", ["none", "int8"], "int8: the layers' "
-                      "projections and MLP in int8 (W8A8: weights per channel, quantized at "
-                      "load; activations per token); the XLA path only, for now")
+                      "projections and MLP in int8 (W8A8: weights per channel, smoothed and "
+                      "quantized at load; activations per token); TPU v5e, v5p, v6e, or the "
+                      "XLA path elsewhere")
     flags.DEFINE_integer("tp_size", 1, "devices per replica: attention heads, MLP and "
                          "vocabulary split over them")
     flags.DEFINE_integer("dp_size", 1, "replicas, each on its own --tp-size devices: a request "

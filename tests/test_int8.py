@@ -52,6 +52,16 @@ def test_tokens_round_to_nearest_per_token_and_a_zero_token_gets_scale_1():
                                           jnp.ones(3), False)))
 
 
+def test_bfloat16_tokens_quantize_as_the_same_numbers_in_float32():
+    """The maximum is taken in x's dtype, the product in float32: the same int8 values."""
+    x = jnp.array([[-127.0, 2.5, 3.5, -63.5], [0.5, -1.0, 0.25, 0.0]], jnp.bfloat16)
+    values, scale = quantize_tokens(x, axis=1)
+    np.testing.assert_array_equal(values, [[-127, 2, 4, -64], [64, -127, 32, 0]])  # ties to even
+    f32_values, f32_scale = quantize_tokens(x.astype(jnp.float32), axis=1)
+    np.testing.assert_array_equal(values, f32_values)
+    np.testing.assert_array_equal(scale, f32_scale)
+
+
 def test_the_int8_product_is_the_integer_product_times_both_scales():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(5, 64)).astype(np.float32)

@@ -347,6 +347,7 @@ def test_x_normed_in_the_kernel_is_the_models_norm(dtype, norm_dtype, blocks):
         project(x, (w,), layer=1, x_norm=InputNorm(weight[:128], 1e-6), interpret=True)
     assert norm_fits(2048, 1024, 3072, 2, 2) and not norm_fits(2048, 2048, 8192, 2, 2)
     assert not norm_fits(1024, 1024, 3072, 2, 2)  # two steps: the weights' copy not spread
+    assert norm_fits(2048, 2048, 8192, 2, 1)  # int8 in blocks of columns: normed as quantized
 
 
 def test_bad_rope_operands_are_refused():
@@ -459,7 +460,8 @@ def test_a_layers_projections_compile_for_v6e(model):
 @pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 128), ProjectionBlocks(32, 256)])
 def test_int8_weights_multiply_x_quantized_per_token(blocks):
     """int8 weights (a stack, and k's and v's group) with their scales at the layer: x
-    quantized per token in VMEM (after its norm, where the kernel norms it), int8 times int8
+    quantized per token in VMEM (after its norm, where the kernel norms it; before the call
+    where a step holds a block of the columns), int8 times int8
     into int32, dequantized before the bias and the residual add, SiLU times up: the
     references' bits (kernels.int8's XLA product; the SiLU within float32 rounding); float
     weights with scales, or int8 weights without, are refused."""
@@ -473,7 +475,6 @@ def test_int8_weights_multiply_x_quantized_per_token(blocks):
     interpret = pltpu.InterpretParams(detect_races=True)
     # in float32: XLA may skip rounding a bfloat16 norm before the reference's quantization
     x32, x_norm = x.astype(jnp.float32), InputNorm(norm.astype(jnp.float32), 1e-6)
-    normed_blocks = blocks and ProjectionBlocks(blocks.rows, 256)  # a normed step: all columns
     for layer in range(3):
         at, s = jnp.int32(layer), tuple(scales[layer])
         got = project(x, (w8,), (b, b), layer=at, scales=s, blocks=blocks, interpret=interpret)
@@ -487,7 +488,7 @@ def test_int8_weights_multiply_x_quantized_per_token(blocks):
             x[:, :128], (w8[:, 0, :, :128],), layer=layer, scales=(s[0][:128],),
             residual=x)[0]))
         gated = gated_up(x32, w8[:, 0], w8[:, 1], layer=at, scales=s, x_norm=x_norm,
-                         blocks=normed_blocks, interpret=interpret)
+                         blocks=blocks, interpret=interpret)  # normed as quantized, before
         np.testing.assert_allclose(gated, gated_up_reference(  # the SiLU's float32 rounding
             x32, w8[:, 0], w8[:, 1], layer=layer, scales=s, x_norm=x_norm), rtol=2e-5,
             atol=1e-5)

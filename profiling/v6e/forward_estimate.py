@@ -10,7 +10,12 @@ import numpy as np
 
 from kernels.attention_plan import host_plan, visited_kv_blocks
 from kernels.kv_write_kernel import PAGES_PER_STEP
-from kernels.projection_kernel import call_blocks, consecutive_steps, sub_block_rows
+from kernels.projection_kernel import (
+    call_blocks,
+    consecutive_steps,
+    quantize_kernel_name,
+    sub_block_rows,
+)
 from kernels.label_gather_kernel import (
     label_rows_cost,
     label_tiles_pay,
@@ -40,6 +45,7 @@ from profiling.v6e.kernel_estimates import (
     label_run_count,
     mlp_estimate,
     projection_estimate,
+    quantize_estimate,
     rope_estimate,
 )
 from profiling.v6e.hlo_ops import op_facts
@@ -92,7 +98,9 @@ def forward_estimate(cfg: ModelConfig, engine_cfg: EngineConfig, entries, labels
               **({"qk_norm_rope": kernels["rope"]["v6e_estimate_s"]} if "rope" in kernels
                  else {}),
               **{name: kernels[name]["v6e_estimate_s"]
-                 for name in (*projection_shapes(cfg), "mlp", "out_and_mlp") if name in kernels},
+                 for name in (*projection_shapes(cfg), *map(quantize_kernel_name,
+                                                            projection_shapes(cfg)),
+                              "mlp", "out_and_mlp") if name in kernels},
               **{name: 0.0 for name in GATHER_KERNELS.values()},  # the branch not taken
               GATHER_KERNELS[kernels["gather"]["mode"]]: kernels["gather"]["v6e_estimate_s"]}
     levels, facts = _levels(result, cfg.num_layers), op_facts(result["hlo"])
@@ -163,6 +171,10 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         blocks[name], paged.get(name), _weight_itemsize(cfg))
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
+    quantized = {quantize_kernel_name(name): quantize_estimate(
+        schedules[quantize_kernel_name(name)], shape.tokens, dims[0], 2)
+        for name, dims in projection_shapes(cfg).items()
+        if quantize_kernel_name(name) in schedules}  # int8 x before it
     out_depth = projection_shapes(cfg)["project_out"][0]
     mlp = {name: mlp_estimate(schedules[name], shape.tokens, cfg.hidden_size,
                               cfg.intermediate_size, 2, residual=True,
@@ -172,7 +184,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
         schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP), PAGES_PER_STEP,
         real_pages, cfg.num_kv_heads * page_size * d * 2)}
     return {
-        **rope, **projections, **mlp, **kv_write,
+        **rope, **projections, **quantized, **mlp, **kv_write,
         "attention": _attention_estimate(cfg, batch, sizes, page_size,
                                          schedules["ragged_paged_attention"]),
         "gather": {"mode": mode, **label_gather_estimate(

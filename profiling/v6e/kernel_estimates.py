@@ -25,7 +25,9 @@ from kernels.projection_kernel import (
     first_step_waits,
     projection_blocks,
     projection_bytes,
+    x_comes_quantized,
 )
+from kernels.quantize_kernel import quantize_row_block
 from kernels.ragged_paged_attention_kernel import attention_cost
 from kernels.rope_kernel import rope_block_tokens
 from kernels.tpu_tiles import SUBLANES
@@ -176,6 +178,19 @@ def rope_estimate(schedule: KernelSchedule, tokens: int, q_width: int, k_width: 
                                                drain_bytes=drain)}
 
 
+def quantize_estimate(schedule: KernelSchedule, tokens: int, depth: int, itemsize: int
+                      ) -> dict:
+    """x quantized (and normed) before an int8 projection (kernels.quantize_kernel): its grid
+    steps, each reading a block of x and writing its int8 values and scales, after the first
+    block's read (fill) and before the last block's writes (drain)."""
+    rows = quantize_row_block(tokens, depth, itemsize)
+    read, written = rows * depth * itemsize, rows * (depth + 4)
+    return {"steps": tokens // rows, "step_bundles": schedule.step_bundles(),
+            "v6e_estimate_s": estimate_seconds(schedule, tokens // rows,
+                                               step_bytes=read + written, fill_bytes=read,
+                                               drain_bytes=written)}
+
+
 @dataclasses.dataclass(frozen=True)
 class PageRuns:
     """k's and v's projection into pages: each sub-block's page-by-page branch starts `dmas`
@@ -203,16 +218,19 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     (the last step's output blocks, written after it). Into pages, its outputs' bytes are
     the pages' (and its drain an upper bound: the pages of a step's sub-blocks but its last
     are copied while it computes), and a branch that copies them a page at a time is taken
-    in the steps `pages` says. int8 weights: `weight_itemsize` 1 (x's `itemsize` else)."""
+    in the steps `pages` says. int8 weights: `weight_itemsize` 1 (x's `itemsize` else); x
+    then comes int8 where a step holds a block of the columns (`quantize_estimate` prices
+    the kernel quantizing it)."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize,
                                          weight_itemsize)
+    x_itemsize = 1 if x_comes_quantized(blocks, width, weight_itemsize == 1) else itemsize
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * (weight_itemsize or itemsize)
     chunk = first_chunk_columns(width, blocks)
-    fill = blocks.rows * depth * itemsize + block_weights * chunk // blocks.columns
+    fill = blocks.rows * depth * x_itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
     drain = outputs * blocks.rows * blocks.columns * itemsize
-    step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, itemsize, itemsize,
+    step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, x_itemsize, itemsize,
                                    blocks, rope_group, weight_itemsize)
                   - fill - later - drain) / steps
     first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1,
