@@ -4,7 +4,7 @@ this process, closed loop, at rising concurrency.
 
 python -m profiling.bench_serving [--model-path DIR] [--server-roots .,/tmp/old]
     [--concurrency 1,4,16,64] [--duration 20] [--warmup 3] [--text] [--window 0]
-    [--server-args ""] [--out serving.json]
+    [--chip Qwen3-0.6B --chips 1] [--server-args ""] [--out serving.json]
 
 Without --model-path it writes the tiny checkpoint (2 layers, hidden 64, Qwen3,
 profiling.random_checkpoint). Each of --server-roots is a checkout whose `python -m server`
@@ -18,6 +18,9 @@ clock, request sent to answer read), the server's CPU ms per request (/proc, all
 threads: HTTP, JSON, tokenizing, scheduling and the CPU forward), its scheduler's CPU ms per
 forward, requests per forward, and the share of wall time a forward was in flight (/metrics;
 servers from before these metrics report null). --window N: items/s in each N-second window.
+--chip MODEL: the server's forwards on simulated v6e chips instead (profiling.simulated_chip:
+each held for MODEL's v6e estimate of its bucket, no CPU used), --chips of them, one a
+replica (--dp-size), and each chip's busy share of the wall time reported.
 """
 import asyncio
 import itertools
@@ -35,6 +38,7 @@ from absl import app, flags
 from model.tokenizer import TextTokenizer
 from profiling import random_checkpoint
 from profiling.random_checkpoint import SPECIAL_TOKENS
+from profiling.simulated_chip import ChipLog
 from profiling.score_client import ConnectionPool, server_vocab
 from profiling.server_process import running_server
 from profiling.timing import write_json
@@ -65,6 +69,9 @@ def define_flags() -> None:
     flags.DEFINE_float("warmup", 3.0, "seconds of load before each level's measurement")
     flags.DEFINE_bool("text", False, "text queries and items, tokenized by the server")
     flags.DEFINE_float("window", 0.0, "also items/s per window of this many seconds; 0: none")
+    flags.DEFINE_string("chip", "", "simulated v6e chips holding this model's forward times "
+                        "(profiling/v6e/data/forward_times.json); \"\": the real forwards")
+    flags.DEFINE_integer("chips", 1, "simulated chips, one a replica")
     flags.DEFINE_string("server_args", "", "more flags for every server")
     flags.DEFINE_integer("seed", 0, "seed of the requests' tokens")
     flags.DEFINE_string("out", None, "write the results as JSON here")
@@ -145,12 +152,15 @@ def _delta(after: dict, before: dict, key: str) -> float | None:
 
 
 async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float,
-                warmup: float, window: float) -> dict:
+                warmup: float, window: float, chips: ChipLog | None = None) -> dict:
     pool = ConnectionPool(url)
     await closed_loop(pool, bodies, clients, warmup)
+    held = chips.read() if chips else None
     before, cpu_before, start = await counters(pool), cpu_seconds(pid), time.perf_counter()
     done, latencies, statuses = await closed_loop(pool, bodies, clients, seconds)
     elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu_before
+    if chips:
+        held = chips.read() - held
     after = await counters(pool)
     pool.close()
     ok = [lat for lat, status in zip(latencies, statuses) if status == 200]
@@ -158,13 +168,16 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
     in_flight, host = _delta(after, before, "in_flight_s"), _delta(after, before, "host_s")
     row = {"clients": clients, "requests": len(statuses), "errors": len(statuses) - n,
            "elapsed_s": elapsed, "items_per_s": n * SHAPE["num_items"] / elapsed,
-           "req_per_s": n / elapsed,
+           "req_per_s": n / elapsed, "forwards": forwards,
            "latency_ms": {"p50": float(np.percentile(ok, 50)) * 1e3 if ok else None,
                           "p99": float(np.percentile(ok, 99)) * 1e3 if ok else None},
            "server_cpu_ms_per_request": cpu / max(n, 1) * 1e3,
            "requests_per_forward": n / forwards if forwards else None,
            "forward_in_flight_share": in_flight / elapsed if in_flight is not None else None,
            "scheduler_cpu_ms_per_forward": host / forwards * 1e3 if host and forwards else None}
+    if chips:
+        row["chip_busy"] = (held[:, 0] / elapsed).tolist()
+        row["chip_forwards"] = held[:, 1].tolist()
     if window > 0:
         times = np.asarray(done) - start
         edges = np.arange(0.0, seconds + window / 2, window)
@@ -219,16 +232,22 @@ def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0
 
 def run(model_path: str, roots: list[str], concurrency: list[int], duration: float,
         warmup: float, text: bool, window: float = 0.0, server_args: str = "",
-        seed: int = 0) -> dict:
+        seed: int = 0, chip: str = "", chips: int = 1) -> dict:
     servers = {}
-    for root in roots:
-        with running_server(model_path, server_args, cwd=root) as served:
-            bodies = Bodies(asyncio.run(server_vocab(served.url)), seed,
-                            text_tokenizer(model_path, text))
-            rows = [asyncio.run(level(served.url, served.pid, bodies, c, duration, warmup,
-                                      window)) for c in concurrency]
-            servers[root] = {"devices": served.devices, "levels": rows}
+    with tempfile.TemporaryDirectory() as scratch:
+        log = ChipLog(os.path.join(scratch, "chips"), chips, create=True) if chip else None
+        module, args = (("profiling.simulated_server", f"{server_args} --chip_model {chip} "
+                         f"--chip_log {scratch}/chips --dp-size {chips}") if chip
+                        else ("server", server_args))
+        for root in roots:
+            with running_server(model_path, args, cwd=root, module=module) as served:
+                bodies = Bodies(asyncio.run(server_vocab(served.url)), seed,
+                                text_tokenizer(model_path, text))
+                rows = [asyncio.run(level(served.url, served.pid, bodies, c, duration, warmup,
+                                          window, log)) for c in concurrency]
+                servers[root] = {"devices": served.devices, "levels": rows}
     return {"shape": {**SHAPE, "text": text, "distinct_queries": True},
+            "chip": {"model": chip, "chips": chips} if chip else None,
             "request_path_us": request_path_us(model_path, text, seed=seed),
             "model_path": model_path, "server_args": server_args, "duration_s": duration,
             "warmup_s": warmup, "cpu": platform.processor() or platform.machine(),
@@ -246,11 +265,11 @@ def main(argv) -> None:
         model = FLAGS.model_path or tiny_checkpoint(os.path.join(scratch, "tiny"))
         result = run(model, FLAGS.server_roots, [int(c) for c in FLAGS.concurrency],
                      FLAGS.duration, FLAGS.warmup, FLAGS.text, FLAGS.window, FLAGS.server_args,
-                     FLAGS.seed)
+                     FLAGS.seed, FLAGS.chip, FLAGS.chips)
     print("per-request path, this checkout, us:", ", ".join(
         f"{k} {v:.0f}" for k, v in result["request_path_us"].items()))
     print("root | clients | items/s | req/s | p50 ms | p99 ms | server CPU ms/req | "
-          "req/forward | in flight | scheduler CPU ms/forward")
+          "req/forward | in flight | scheduler CPU ms/forward | chips busy")
     for root, server in result["servers"].items():
         for r in server["levels"]:
             print(f"{root} | {r['clients']} | {r['items_per_s']:.0f} | {r['req_per_s']:.0f} | "
@@ -258,7 +277,9 @@ def main(argv) -> None:
                   f" | {r['server_cpu_ms_per_request']:.2f} | "
                   f"{_fmt(r['requests_per_forward'], '.1f')} | "
                   f"{_fmt(r['forward_in_flight_share'], '.0%')} | "
-                  f"{_fmt(r['scheduler_cpu_ms_per_forward'], '.2f')}")
+                  f"{_fmt(r['scheduler_cpu_ms_per_forward'], '.2f')} | "
+                  + (" ".join(f"{b:.0%}" for b in r["chip_busy"]) if "chip_busy" in r
+                     else "-"))
             if "items_per_s_by_window" in r:
                 print("  items/s by window:", " ".join(f"{x:.0f}"
                                                       for x in r["items_per_s_by_window"]))

@@ -27,10 +27,13 @@ def _drain(stream) -> None:
 
 
 @contextlib.contextmanager
-def running_server(model_path: str | None, extra_args: str, cwd: str | None = None):
-    """`python -m server` on a free port, run in `cwd` (a checkout; default: this process's
-    directory); yields a Served once it serves. Its log until then is echoed to stderr."""
-    cmd = [sys.executable, "-m", "server", "--port", "0", "--noaccess_log",
+def running_server(model_path: str | None, extra_args: str, cwd: str | None = None,
+                   module: str = "server"):
+    """`python -m server` (or another `module` serving as it does: a benchmark's
+    profiling.simulated_server) on a free port, run in `cwd` (a checkout; default: this
+    process's directory); yields a Served once it serves. Its log until then is echoed to
+    stderr."""
+    cmd = [sys.executable, "-m", module, "--port", "0", "--noaccess_log",
            *(["--model-path", model_path] if model_path else []), *shlex.split(extra_args)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=cwd)

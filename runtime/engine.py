@@ -41,8 +41,10 @@ from runtime.scheduler import Scheduler
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer: TextTokenizer,
-                 engine_cfg: EngineConfig = EngineConfig()):
-        """`params` on the host; one replica (runner and scheduler) per device group."""
+                 engine_cfg: EngineConfig = EngineConfig(), runner_type=ModelRunner):
+        """`params` on the host; one replica (runner and scheduler) per device group, its
+        runner made by `runner_type` as a ModelRunner is made (a benchmark's simulated chips:
+        profiling.simulated_chip)."""
         if engine_cfg.dtype == "auto":  # the params' own
             engine_cfg = dataclasses.replace(
                 engine_cfg, dtype=jax.tree.leaves(params)[0].dtype.name)
@@ -64,7 +66,7 @@ class Engine:
                      pages, engine_cfg.page_size)
         self.channel = StepChannel(buckets) if multihost else None
         publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
-        runners = [ModelRunner(cfg, params, buckets, pages, dtype, backend, group, publish,
+        runners = [runner_type(cfg, params, buckets, pages, dtype, backend, group, publish,
                                engine_cfg.program_cache_dir)
                    for group in groups]  # across hosts, dp_size is 1: one runner publishes
         if engine_cfg.warmup:
@@ -86,18 +88,19 @@ class Engine:
     def describe(self) -> str:
         """One line for the start-up log: model, dtype, kernels, devices, KV pool, policy."""
         runner, ec = self.runner, self.engine_cfg
-        device = runner.mesh.devices.flat[0]
+        device = runner.devices[0]
         return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} kernels, {ec.dp_size} "
                 f"replica(s) of {ec.tp_size} {device.platform} device(s) ({device.device_kind}),"
                 f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica, "
                 f"{ec.schedule_policy} scheduling")
 
     @classmethod
-    def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig()):
+    def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig(),
+                  runner_type=ModelRunner):
         engine_cfg = engine_cfg.resolve_dtype(model_path, jax.devices()[0].platform)
         cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype,
                                             engine_cfg.quantization)
-        return cls(cfg, params, tokenizer, engine_cfg)
+        return cls(cfg, params, tokenizer, engine_cfg, runner_type)
 
     def close(self) -> None:
         for scheduler in self.schedulers:

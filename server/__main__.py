@@ -11,6 +11,7 @@ from absl import app, flags, logging
 from model.loader import embedded_model_path
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
+from runtime.model_runner import ModelRunner
 from server import engine_flags
 from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
 from server.app import ScoreServer, ServerConfig
@@ -83,10 +84,10 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
     await server.shutdown(FLAGS.grace_s)
 
 
-def main(argv) -> None:
-    del argv
+def run(runner_type=ModelRunner) -> None:
+    """The server of the parsed flags until SIGTERM; `runner_type`: as Engine's."""
     config = server_config()  # a bad flag fails before the model loads
-    engine = start_engine()
+    engine = start_engine(runner_type)
     try:
         if FLAGS.node_rank:
             logging.info("node %d: running node 0's forwards", FLAGS.node_rank)
@@ -95,6 +96,11 @@ def main(argv) -> None:
             asyncio.run(serve(engine, config))
     finally:
         engine.close()
+
+
+def main(argv) -> None:
+    del argv
+    run()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from model.loader import model_name
 from runtime.distributed import DistConfig
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
+from runtime.model_runner import ModelRunner
 from runtime.wait_queue import SCHEDULE_POLICIES
 
 FLAGS = flags.FLAGS
@@ -104,12 +105,13 @@ def served_model_name() -> str:
     return FLAGS.served_model_name or model_name(FLAGS.model_path)
 
 
-def start_engine() -> Engine:
-    """The engine, after joining the other hosts; a bad flag is a usage error."""
+def start_engine(runner_type=ModelRunner) -> Engine:
+    """The engine, after joining the other hosts; a bad flag is a usage error. `runner_type`:
+    as Engine's."""
     use_compile_cache(FLAGS.compile_cache_dir)
     try:
         dist = DistConfig(FLAGS.dist_init_addr, FLAGS.nnodes, FLAGS.node_rank)
         dist.initialize()
-        return Engine.from_path(FLAGS.model_path, engine_config())
+        return Engine.from_path(FLAGS.model_path, engine_config(), runner_type)
     except ValueError as e:
         raise app.UsageError(str(e)) from e

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from profiling.bench_engine import run, workload
@@ -525,6 +526,48 @@ def test_bench_serving_loads_a_started_server_and_reads_its_counters(tmp_path):
     path = result["request_path_us"]
     assert set(path) == {"http_read", "json", "validate", "prepare", "answer", "total"}
     assert all(v > 0 for v in path.values())
+
+
+def test_a_simulated_chip_holds_forwards_one_after_another_without_cpu(tmp_path):
+    """Two forwards dispatched at once end after both estimates, the chip's log holds their
+    seconds and count, and waiting for them takes no CPU; the times interpolate linearly
+    between buckets and refuse a table that could not be one."""
+    import time
+
+    from profiling.simulated_chip import ChipLog, ForwardTimes, SimulatedDevice, SimulatedRunner
+    from runtime.buckets import BatchShape
+    times = ForwardTimes("m", (128, 512), (0.1, 0.2))
+    assert times.of(64) == 0.1 and times.of(320) == pytest.approx(0.15)
+    assert times.of(896) == pytest.approx(0.3)  # the last two buckets' slope beyond them
+    with pytest.raises(ValueError, match="increasing token counts"):
+        ForwardTimes("m", (512, 128), (0.1, 0.2))
+    log = ChipLog(str(tmp_path / "chips"), 2, create=True)
+    runner = SimulatedRunner(None, None, None, 8, None, None, [SimulatedDevice(1)],
+                             times=times, log=log)
+    shape = BatchShape(tokens=128, seqs=2, pages_per_seq=4, rows=3, labels=2)
+    start, cpu = time.perf_counter(), time.thread_time()
+    first, second = runner.dispatch(None, shape), runner.dispatch(None, shape)
+    logits, lse = runner.collect(first)
+    runner.collect(second)
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    assert wall >= 0.2 and cpu < 0.5 * wall
+    assert logits.shape == (3, 2) and lse.shape == (3,)
+    np.testing.assert_allclose(ChipLog(str(tmp_path / "chips"), 2).read(), [[0, 0], [0.2, 2]])
+
+
+def test_bench_serving_on_simulated_chips_reports_each_chips_busy_share(tmp_path):
+    """The server on two simulated v6e chips (one a replica), loaded by four clients: both
+    chips hold forwards, as many as the server counts, and their busy shares are reported."""
+    from profiling.bench_serving import run, tiny_checkpoint
+    model = tiny_checkpoint(str(tmp_path / "tiny"))
+    result = run(model, ["."], [4], duration=1.0, warmup=0.5, text=False,
+                 server_args="--max-prefill-tokens 1024 --skip-warmup", chip="Qwen3-0.6B",
+                 chips=2)
+    (row,) = result["servers"]["."]["levels"]
+    assert row["requests"] > 0 and row["errors"] == 0
+    assert len(row["chip_busy"]) == 2 and all(0 < b <= 1 for b in row["chip_busy"])
+    assert abs(sum(row["chip_forwards"]) - row["forwards"]) <= 2 * 2  # in flight at the ends
+    assert result["chip"] == {"model": "Qwen3-0.6B", "chips": 2}
 
 
 def test_bench_host_work_times_the_schedulers_cpu_per_forward(tmp_path):
