@@ -23,6 +23,12 @@ class TextTokenizer:
         """Token ids of a piece of a prompt: no BOS, no EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text, in one call: the library's batch encoding, without the
+        character offsets nobody reads (a fifth less of its time), the interpreter lock
+        released while it runs."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
     def encode_with_specials(self, text: str) -> list[int]:
         """Token ids of a text with what the tokenizer's post-processor adds (HF's
         `tokenizer(text)`): how a model card may tokenize part of a prompt."""

@@ -213,7 +213,8 @@ class Engine:
             for k, item in enumerate(req.items):
                 check_token_range(item, self.cfg.vocab_size, f"items[{k}]")
             return list(req.query), [list(i) for i in req.items]
-        return self.tokenizer.encode(req.query), [self.tokenizer.encode(i) for i in req.items]
+        query, *items = self.tokenizer.encode_pieces([req.query, *req.items])
+        return query, items
 
     def _prompt_check(self, n: int, k: int) -> None:
         if n == 0:

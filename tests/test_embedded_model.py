@@ -46,6 +46,13 @@ def test_tokenizer_splits_digits_and_keeps_special_tokens(smollm):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_a_requests_pieces_encode_in_one_call_as_each_alone(smollm):
+    tok = smollm.tokenizer
+    texts = ["The capital of France is", " Paris", "", "Ünïcødé 世界 2024", "<|im_start|>x y"]
+    pieces = tok.encode_pieces(texts)
+    assert pieces == [tok.encode(t) for t in texts] and pieces[2] == [] and len(pieces[4]) > 1
+
+
 def test_greedy_next_token_after_capital_of_france_is_paris(smollm):
     vocab = smollm.cfg.vocab_size
     result = smollm.score("The capital of France is", [""], list(range(vocab)))
