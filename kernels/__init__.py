@@ -2,8 +2,8 @@
 
 Public: the kernels (KV write, attention, label gather; on TPU also the projections, which
 can norm their input, add to the residual stream and write k and v into their pages, the
-whole MLP in one kernel, after the output projection where it fits, and q's and k's norm
-and RoPE) and their backends (`select_kernels` picks one implementation of each), the
+whole MLP in one kernel, after the output projection where it fits, q's and k's norm
+and RoPE, and x normed and quantized for int8 projections) and their backends (`select_kernels` picks one implementation of each), the
 attention metadata and the block plan the planned
 kernels walk (built in the program: `plan_attention`; from concrete metadata: `build_plan`).
 """
@@ -34,6 +34,7 @@ from kernels.projection_kernel import (
     project_reference,
     projection_kernel_applies,
 )
+from kernels.quantize_kernel import quantized_rows, quantized_rows_reference
 from kernels.ragged_paged_attention import (
     AttentionMetadata,
     ragged_paged_attention_reference,
@@ -53,7 +54,8 @@ __all__ = [
     "gated_up_reference", "mlp", "mlp_kernel_applies", "mlp_reference", "out_and_mlp",
     "out_and_mlp_reference", "plan_attention", "project", "project_reference",
     "projection_kernel_applies",
-    "qk_norm_rope", "qk_norm_rope_reference", "ragged_paged_attention",
+    "qk_norm_rope", "qk_norm_rope_reference", "quantized_rows", "quantized_rows_reference",
+    "ragged_paged_attention",
     "ragged_paged_attention_reference", "ragged_paged_attention_xla", "rms_norm",
     "rope_lane_tables", "select_kernels", "write_kv_pages", "write_kv_pages_kernel",
     "written_pages",

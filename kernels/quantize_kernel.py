@@ -4,7 +4,8 @@ int8 with its scales, and its plain-JAX reference.
 
 The projection kernel quantizes its block of x in VMEM where a step holds every column; where
 its steps hold a block of the columns it takes x quantized by this kernel instead, once (XLA's
-fusions of the same work took 2.6-3x the bundles in the v6e schedule: docs/tpu_v6e.md).
+fusions of the same norm and quantization took 2.3x its bundles in the v6e schedule:
+docs/tpu_v6e.md).
 """
 import functools
 
