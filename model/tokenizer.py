@@ -23,11 +23,11 @@ class TextTokenizer:
         """Token ids of a piece of a prompt: no BOS, no EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, in one call: the library's batch encoding, without the
-        character offsets nobody reads (a fifth less of its time), the interpreter lock
-        released while it runs."""
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+    def encode_pieces(self, texts: list[str], specials: bool = False) -> list[list[int]]:
+        """`encode` (with `specials`, `encode_with_specials`) of each text, in one call: the
+        library's batch encoding, without the character offsets nobody reads (a fifth less of
+        its time), the interpreter lock released while it runs."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=specials)]
 
     def encode_with_specials(self, text: str) -> list[int]:
         """Token ids of a text with what the tokenizer's post-processor adds (HF's

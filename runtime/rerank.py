@@ -196,16 +196,20 @@ class Reranker:
         """The documents' prompts as one multi-item query and an item each: query + item is
         exactly `prompt` of the document (cut to `max_tokens_per_doc` tokens)."""
         if max_tokens_per_doc is not None:
-            documents = [self.tokenizer.decode(self.tokenizer.encode(d)[:max_tokens_per_doc])
-                         for d in documents]
+            documents = [self.tokenizer.decode(ids[:max_tokens_per_doc])
+                         for ids in self.tokenizer.encode_pieces(documents)]
         if not documents:
             return PackedDocuments([], [])
         body = self.template.body_pieces(query, instruct)
-        prompts = [self._prompt(body, d) for d in documents]
+        # `_prompt` of each document, the texts around it tokenized once and the documents'
+        # in one call
+        head = self._prefix + self._pieces(body.leading, self._encode_body)
+        tail = self._pieces(body.trailing, self._encode_body) + self._suffix
+        prompts = [head + ids + tail for ids in self.tokenizer.encode_pieces(
+            [body.before + d + body.after for d in documents], self.template.body_specials)]
         # The prompt before the document, less its last token, which the document may merge
         # with (": " + "The" is ":", " The"): the same query whatever the documents.
-        shared = (len(self._prefix) + len(self._pieces(body.leading, self._encode_body))
-                  + len(self._encode_body(body.before)) - 1)
+        shared = len(head) + len(self._encode_body(body.before)) - 1
         shared = min([shared] + [_common_length(prompts[0], p) for p in prompts])
         return PackedDocuments(prompts[0][:shared], [p[shared:] for p in prompts])
 
