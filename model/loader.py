@@ -1,4 +1,5 @@
 """One entry point for every model source: HF directory, GGUF file, or the embedded default."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -8,6 +9,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from model.config import ModelConfig, load_hf_config
 from model.gguf_loader import gguf_config, load_gguf_model
+from model.gguf_tokenizer import gguf_tokenizer
 from model.hf_loader import load_hf_model
 from model.smoothing import int8_model
 from model.tokenizer import TextTokenizer
@@ -56,6 +58,23 @@ def load_model(path: str | None, dtype: str = "float32", quantization: str = ""
     if quantization and not cfg.quantization:
         cfg, params = int8_model(cfg, params, tokenizer)
     return cfg, params, tokenizer
+
+
+def load_front(path: str | None, quantization: str = ""
+               ) -> tuple[ModelConfig, TextTokenizer]:
+    """The model's config and tokenizer without its weights (a front end's, whose replicas
+    load them in processes of their own: runtime.replica_process), the config as load_model
+    gives it."""
+    path = path or embedded_model_path()
+    if _is_gguf(path):
+        reader = GGUFReader(path)
+        cfg, tokenizer = gguf_config(reader), gguf_tokenizer(reader)
+    else:
+        cfg = load_hf_config(path)
+        tokenizer = TextTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    if quantization and not cfg.quantization:
+        cfg = dataclasses.replace(cfg, quantization=quantization)
+    return cfg, tokenizer
 
 
 def load_config(path: str | None) -> ModelConfig:

@@ -118,9 +118,20 @@ def text_tokenizer(model_path: str, text: bool) -> TextTokenizer | None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process, all its threads (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User and system CPU time of a process and the processes it started (an engine process
+    a replica), all their threads (Linux /proc)."""
+    stats = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, grown = set(), {pid}
+    while grown != tree:
+        tree = grown
+        grown = tree | {p for p, (parent, _) in stats.items() if parent in tree}
+    return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
 
 
 async def counters(pool: ConnectionPool) -> dict:

@@ -63,7 +63,11 @@ class ChipLog:
     the server's chips add to it, the benchmark reads it (float64 [chips, 2])."""
 
     def __init__(self, path: str, chips: int, create: bool = False):
+        self.path, self.chips = path, chips
         self.values = np.memmap(path, np.float64, "w+" if create else "r+", shape=(chips, 2))
+
+    def __reduce__(self):  # to an engine process: the same file, mapped there
+        return ChipLog, (self.path, self.chips)
 
     def add(self, chip: int, seconds: float) -> None:
         self.values[chip] += (seconds, 1.0)

@@ -2,7 +2,6 @@
 a replica's scheduler, which batches them with other requests' units on its devices."""
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 
 import jax
@@ -10,16 +9,15 @@ import numpy as np
 from absl import logging
 
 from model.config import ModelConfig
-from model.loader import DTYPES, load_model
+from model.loader import load_model
 from model.tokenizer import TextTokenizer
-from runtime.distributed import StepChannel, agree, follow
+from runtime.distributed import StepChannel, follow
 from runtime.engine_config import EngineConfig
 from runtime.errors import ScoreError
-from runtime.forward_programs import server_programs
 from runtime.job import Job, ScoreResult, Unit
 from runtime.model_runner import ModelRunner
 from runtime.packing import Sequence, causal_sequence, item_chunks, multi_item_sequence
-from runtime.pool_size import DeviceMemory, kv_pool_pages
+from runtime.replicas import local_replicas
 from runtime.request import (
     RerankRequest,
     ScoreRequest,
@@ -40,41 +38,35 @@ from runtime.scheduler import Scheduler
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: dict, tokenizer: TextTokenizer,
-                 engine_cfg: EngineConfig = EngineConfig(), runner_type=ModelRunner):
-        """`params` on the host; one replica (runner and scheduler) per device group, its
+    def __init__(self, cfg: ModelConfig, tokenizer: TextTokenizer, engine_cfg: EngineConfig,
+                 replicas: list, channel: StepChannel | None = None):
+        """`replicas`: one a device group, each a Scheduler in this process or a
+        ReplicaProcess (runtime.replica_process); `channel`: multi-host node 0's, or a
+        follower's, step channel. Made by `local` or `from_path`."""
+        self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
+        self.reranker, self.rerank_off = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
+        self.schedulers, self.channel = replicas, channel
+        self.router = Router(self.schedulers, slack_tokens=engine_cfg.max_prefill_tokens)
+
+    @classmethod
+    def local(cls, cfg: ModelConfig, params: dict, tokenizer: TextTokenizer,
+              engine_cfg: EngineConfig = EngineConfig(), runner_type=ModelRunner) -> "Engine":
+        """The replicas in this process, one a device group; `params` on the host; each
         runner made by `runner_type` as a ModelRunner is made (a benchmark's simulated chips:
         profiling.simulated_chip)."""
         if engine_cfg.dtype == "auto":  # the params' own
             engine_cfg = dataclasses.replace(
                 engine_cfg, dtype=jax.tree.leaves(params)[0].dtype.name)
-        self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
-        self.reranker, self.rerank_off = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
+        engine_cfg = dataclasses.replace(engine_cfg, replica_processes=False)
         multihost = jax.process_count() > 1
         if multihost and engine_cfg.dp_size > 1:
             raise ValueError("--dp-size > 1 across hosts is not supported: run one server per "
                              "host group behind a load balancer")
         groups = engine_cfg.device_groups(jax.devices())
-        device, dtype = groups[0][0], DTYPES[engine_cfg.dtype]
-        backend, buckets = engine_cfg.backend(device), engine_cfg.buckets(cfg, device)
-        probe = functools.partial(server_programs, engine_cfg, cfg, groups[0])
-        pages = kv_pool_pages(engine_cfg, probe, DeviceMemory.of(device))
-        if multihost:
-            pages = agree(pages)
-        logging.info("replicas: %d of %d %s device(s), %s kernels; KV pool: %d pages of %d "
-                     "tokens each", len(groups), len(groups[0]), device.device_kind, backend,
-                     pages, engine_cfg.page_size)
-        self.channel = StepChannel(buckets) if multihost else None
-        publish = self.channel.publish if self.channel and jax.process_index() == 0 else None
-        runners = [runner_type(cfg, params, buckets, pages, dtype, backend, group, publish,
-                               engine_cfg.program_cache_dir)
-                   for group in groups]  # across hosts, dp_size is 1: one runner publishes
-        if engine_cfg.warmup:
-            for runner in runners:
-                runner.warm_up()
-        self.schedulers = [Scheduler(r, engine_cfg.prefix_cache, engine_cfg.schedule_policy,
-                                     engine_cfg.pipeline_depth) for r in runners]
-        self.router = Router(self.schedulers, slack_tokens=buckets.max_tokens)
+        channel = StepChannel(engine_cfg.buckets(cfg, groups[0][0])) if multihost else None
+        publish = channel.publish if channel and jax.process_index() == 0 else None
+        replicas = local_replicas(cfg, params, engine_cfg, groups, runner_type, publish)
+        return cls(cfg, tokenizer, engine_cfg, replicas, channel)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -85,22 +77,37 @@ class Engine:
     def runner(self) -> ModelRunner:
         return self.schedulers[0].runner
 
+    def statuses(self):
+        """Each replica's ReplicaStatus (runtime.scheduler)."""
+        return [replica.status() for replica in self.schedulers]
+
     def describe(self) -> str:
         """One line for the start-up log: model, dtype, kernels, devices, KV pool, policy."""
-        runner, ec = self.runner, self.engine_cfg
-        device = runner.devices[0]
-        return (f"{self.cfg.family} in {ec.dtype}, {runner.backend} kernels, {ec.dp_size} "
-                f"replica(s) of {ec.tp_size} {device.platform} device(s) ({device.device_kind}),"
-                f" KV pool of {runner.num_pages * runner.buckets.page_size} tokens a replica, "
-                f"{ec.schedule_policy} scheduling")
+        first, ec = self.statuses()[0], self.engine_cfg
+        where = " in processes of their own" if ec.replica_processes else ""
+        return (f"{self.cfg.family} in {ec.dtype}, {first.backend} kernels, {ec.dp_size} "
+                f"replica(s){where} of {ec.tp_size} {first.platform} device(s) "
+                f"({first.device_kind}), KV pool of {first.kv_pages * first.page_size} tokens "
+                f"a replica, {ec.schedule_policy} scheduling")
 
     @classmethod
     def from_path(cls, model_path: str | None, engine_cfg: EngineConfig = EngineConfig(),
                   runner_type=ModelRunner):
+        """With engine_cfg.replica_processes, the replicas in engine processes of their own
+        (this process touches no device); else in this one."""
+        if engine_cfg.replica_processes:
+            try:  # the processes extra's libraries
+                from runtime.replica_process import start_replica_processes
+            except ImportError as e:
+                raise ValueError(f"replicas in processes of their own (--dp-size > 1) need "
+                                 f"{e.name}: pip install 'jax-score[processes]'") from e
+            cfg, tokenizer, engine_cfg, replicas = start_replica_processes(
+                model_path, engine_cfg, runner_type)
+            return cls(cfg, tokenizer, engine_cfg, replicas)
         engine_cfg = engine_cfg.resolve_dtype(model_path, jax.devices()[0].platform)
         cfg, params, tokenizer = load_model(model_path, engine_cfg.dtype,
                                             engine_cfg.quantization)
-        return cls(cfg, params, tokenizer, engine_cfg, runner_type)
+        return cls.local(cfg, params, tokenizer, engine_cfg, runner_type)
 
     def close(self) -> None:
         for scheduler in self.schedulers:

@@ -32,6 +32,8 @@ class EngineConfig:
     #                                 where the vocabulary holds its labels
     program_cache_dir: str = ""     # compiled programs kept for the next start; "": none
     quantization: str = ""          # "int8": the checkpoint's layers quantized at load (W8A8)
+    replica_processes: bool = False  # each replica in an engine process of its own
+    #                                  (runtime.replica_process); the server's with dp_size > 1
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES):

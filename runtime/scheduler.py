@@ -47,6 +47,28 @@ class SchedulerStats:
         default_factory=lambda: collections.deque(maxlen=4096))
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaStatus:
+    """What a replica reports of itself, in the engine's process or its own: its counters
+    (SchedulerStats'), its queue, its KV pool, its programs and its devices."""
+    forwards: int
+    failed_forwards: int
+    computed_tokens: int
+    padded_tokens: int
+    cached_tokens: int
+    in_flight_s: float
+    host_s: float
+    waiting: int           # units queued for a forward
+    kv_pages: int
+    kv_pages_free: int
+    page_size: int
+    compilations: int
+    backend: str           # the kernels'
+    devices: int
+    platform: str
+    device_kind: str
+
+
 @dataclasses.dataclass(eq=False)
 class _Forward:
     batch: list[tuple[Unit, ScheduledSeq]]
@@ -102,6 +124,16 @@ class Scheduler:
         with self._cond:
             return (sum(len(u.seq.tokens) for u in self._waiting)
                     + sum(e.new_tokens for f in self._in_flight for e in f.entries))
+
+    def status(self) -> ReplicaStatus:
+        st, runner = self.stats, self.runner
+        with self._cond:
+            waiting, free = len(self._waiting), self.pool.free_count
+        return ReplicaStatus(
+            st.forwards, st.failed_forwards, st.computed_tokens, st.padded_tokens,
+            st.cached_tokens, st.in_flight_s, st.host_s, waiting, self.pool.num_pages, free,
+            self.buckets.page_size, runner.compile_count, runner.backend, len(runner.devices),
+            runner.devices[0].platform, runner.devices[0].device_kind)
 
     def check_pages(self) -> None:
         """The page invariant: counts equal holders (sequences in flight and the cache)."""

@@ -277,16 +277,16 @@ class ScoreServer:
             "max_model_len": self.engine.max_prompt_tokens}]}
 
     async def _model_info(self, req: Request, gone) -> dict:
-        cfg = self.engine.cfg
+        cfg, replica = self.engine.cfg, self.engine.statuses()[0]
         return {"model_path": self.config.model_path, "is_generation": not cfg.is_classifier,
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
                 "quantization": cfg.quantization or "none",
-                "kernel_backend": self.engine.runner.backend,
+                "kernel_backend": replica.backend,
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
-                "compilations": sum(s.runner.compile_count for s in self.engine.schedulers)}
+                "compilations": sum(s.compilations for s in self.engine.statuses())}
 
 
 def score_response(req: ScoreRequest, result: ScoreResult, model: str) -> dict:

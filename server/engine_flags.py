@@ -88,6 +88,7 @@ def engine_config() -> EngineConfig:
         kv_block=FLAGS.kv_block, tp_size=FLAGS.tp_size, dp_size=FLAGS.dp_size,
         rerank_template=FLAGS.rerank_template,
         quantization="" if FLAGS.quantization == "none" else FLAGS.quantization,
+        replica_processes=FLAGS.dp_size > 1,
         program_cache_dir=os.path.join(FLAGS.compile_cache_dir, "programs")
         if FLAGS.compile_cache_dir else "")
 

@@ -4,38 +4,37 @@ import collections
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-def _total(value):
-    """An engine metric: the sum of `value(scheduler)` over its replicas."""
-    return lambda engine: sum(value(s) for s in engine.schedulers)
+
+def _total(field: str):
+    """An engine metric: the sum of a ReplicaStatus field over the replicas."""
+    return lambda engine, statuses: sum(getattr(s, field) for s in statuses)
 
 
-_ENGINE_METRICS = [  # (name, type, help, value of an Engine)
+_ENGINE_METRICS = [  # (name, type, help, value of an Engine and its replicas' statuses)
     ("jax_score_compilations_total", "counter", "programs compiled (warm-up included)",
-     _total(lambda s: s.runner.compile_count)),
-    ("jax_score_forwards_total", "counter", "forward passes run",
-     _total(lambda s: s.stats.forwards)),
+     _total("compilations")),
+    ("jax_score_forwards_total", "counter", "forward passes run", _total("forwards")),
     ("jax_score_failed_forwards_total", "counter", "forward passes that raised",
-     _total(lambda s: s.stats.failed_forwards)),
+     _total("failed_forwards")),
     ("jax_score_computed_tokens_total", "counter", "prompt tokens run through the model",
-     _total(lambda s: s.stats.computed_tokens)),
+     _total("computed_tokens")),
     ("jax_score_padded_tokens_total", "counter", "tokens of the shape buckets the forwards "
-     "ran: computed tokens and their padding", _total(lambda s: s.stats.padded_tokens)),
+     "ran: computed tokens and their padding", _total("padded_tokens")),
     ("jax_score_cached_tokens_total", "counter", "prompt tokens served from the prefix cache",
-     _total(lambda s: s.stats.cached_tokens)),
+     _total("cached_tokens")),
     ("jax_score_forward_in_flight_seconds_total", "counter", "wall time with a forward "
-     "dispatched to the devices and its results not yet read",
-     _total(lambda s: s.stats.in_flight_s)),
+     "dispatched to the devices and its results not yet read", _total("in_flight_s")),
     ("jax_score_scheduler_host_seconds_total", "counter", "the schedulers' CPU time on "
-     "forwards: forming, building, dispatching, answering", _total(lambda s: s.stats.host_s)),
+     "forwards: forming, building, dispatching, answering", _total("host_s")),
     ("jax_score_waiting_sequences", "gauge", "sequences queued for a forward",
-     _total(lambda s: s.waiting)),
+     _total("waiting")),
     ("jax_score_kv_pages_used", "gauge", "KV pages held by sequences or the prefix cache",
-     _total(lambda s: s.pool.num_pages - s.pool.free_count)),
-    ("jax_score_kv_pages_total", "gauge", "KV pages in the pool",
-     _total(lambda s: s.pool.num_pages)),
-    ("jax_score_replicas", "gauge", "data parallel replicas", lambda e: len(e.schedulers)),
+     lambda engine, statuses: sum(s.kv_pages - s.kv_pages_free for s in statuses)),
+    ("jax_score_kv_pages_total", "gauge", "KV pages in the pool", _total("kv_pages")),
+    ("jax_score_replicas", "gauge", "data parallel replicas",
+     lambda engine, statuses: len(statuses)),
     ("jax_score_affine_routes_total", "counter", "requests routed to the replica that took "
-     "their query before", lambda e: e.router.affine_routes),
+     "their query before", lambda engine, statuses: engine.router.affine_routes),
 ]
 
 _SERVER_GAUGES = {"jax_score_open_connections": "open client connections",
@@ -85,6 +84,7 @@ def prometheus_text(engine, server: ServerMetrics, gauges: dict[str, int]) -> st
     lines = server.lines()
     for name, value in gauges.items():
         lines += _metric(name, "gauge", _SERVER_GAUGES[name], value)
+    statuses = engine.statuses()
     for name, kind, help_text, value in _ENGINE_METRICS:
-        lines += _metric(name, kind, help_text, value(engine))
+        lines += _metric(name, kind, help_text, value(engine, statuses))
     return "\n".join(lines) + "\n"

@@ -28,5 +28,5 @@ def assert_no_leaked_pages(engine) -> None:
     engine.check_pages()
     engine.flush_prefix_cache()
     engine.check_pages()
-    for scheduler in engine.schedulers:
-        assert scheduler.pool.free_count == scheduler.pool.num_pages
+    for status in engine.statuses():
+        assert status.kv_pages_free == status.kv_pages

@@ -95,7 +95,7 @@ def test_the_int8_model_scores_as_a_numpy_w8a8_decoder(model_dirs, family):
     score); the float model's scores, which the test must tell apart, are 0.1-1.3 away."""
     cfg, params, tokenizer = load_model(model_dirs[family], "float32")
     factors = _factors(cfg, params, tokenizer)
-    engine = Engine(dataclasses.replace(cfg, quantization="int8"),
+    engine = Engine.local(dataclasses.replace(cfg, quantization="int8"),
                     quantized(smoothed(cfg, params, factors)), tokenizer, small_config())
     w8a8 = NumpyDecoder(model_dirs[family], int8=True, smoothing=factors)
     float64 = NumpyDecoder(model_dirs[family])
@@ -135,8 +135,8 @@ def test_smoothing_keeps_the_float_model(model_dirs, tmp_path, family):
     cfg, params, tokenizer = load_model(path, "float32")
     factors = _factors(cfg, params, tokenizer)
     assert all(np.ptp(f) > 0.1 for f in factors.values())  # channels are moved, and unevenly
-    smooth = Engine(cfg, smoothed(cfg, params, factors), tokenizer, small_config())
-    want = _scores(Engine(cfg, params, tokenizer, small_config()), QUERY, ITEMS)
+    smooth = Engine.local(cfg, smoothed(cfg, params, factors), tokenizer, small_config())
+    want = _scores(Engine.local(cfg, params, tokenizer, small_config()), QUERY, ITEMS)
     np.testing.assert_allclose(_scores(smooth, QUERY, ITEMS), want, atol=2e-5)
 
 
@@ -157,9 +157,9 @@ def test_smoothing_takes_an_outlier_channel_into_the_weights(model_dirs, tmp_pat
     save_file(tensors, file)
     cfg, params, tokenizer = load_model(path, "float32")
     want = _scores(Engine.from_path(model_dirs["llama"], small_config()), QUERY, ITEMS)
-    np.testing.assert_allclose(_scores(Engine(cfg, params, tokenizer, small_config()), QUERY,
+    np.testing.assert_allclose(_scores(Engine.local(cfg, params, tokenizer, small_config()), QUERY,
                                        ITEMS), want, atol=1e-4)
-    rounded = Engine(dataclasses.replace(cfg, quantization="int8"), quantized(params),
+    rounded = Engine.local(dataclasses.replace(cfg, quantization="int8"), quantized(params),
                      tokenizer, small_config())
     smooth = Engine.from_path(path, small_config(quantization="int8"))
     rounded_miss = np.abs(_scores(rounded, QUERY, ITEMS) - want).max()
@@ -226,7 +226,7 @@ def test_a_compressed_tensors_w8a8_checkpoint_serves_its_own_int8_weights(model_
         np.testing.assert_array_equal(params["layers"][key], want["layers"][key])
     np.testing.assert_array_equal(
         _scores(Engine.from_path(w8a8, small_config()), QUERY, ITEMS),
-        _scores(Engine(cfg, want, tokenizer, small_config()), QUERY, ITEMS))
+        _scores(Engine.local(cfg, want, tokenizer, small_config()), QUERY, ITEMS))
 
 
 @pytest.mark.parametrize("change, named", [

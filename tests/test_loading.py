@@ -127,7 +127,7 @@ def test_dtype_auto_is_float32_on_cpu_and_the_params_own_otherwise(model_dirs):
     engine.close()
     assert engine.engine_cfg.dtype == "float32"
     cfg, params, tokenizer = load_model(model_dirs["llama"], "bfloat16")
-    engine = Engine(cfg, params, tokenizer, small_config(dtype="auto"))
+    engine = Engine.local(cfg, params, tokenizer, small_config(dtype="auto"))
     engine.close()
     assert engine.engine_cfg.dtype == "bfloat16"
     with pytest.raises(ValueError, match="auto or one of"):
