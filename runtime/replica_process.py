@@ -115,25 +115,33 @@ class ReplicaSpec:
     jax_settings: tuple[tuple[str, object], ...]  # jax.config values to start with
 
 
-def start_replica_processes(model_path: str | None, engine_cfg: EngineConfig, runner_type):
+def start_replica_processes(model_path: str | None, engine_cfg: EngineConfig, runner_type,
+                            restart: bool = True):
     """One engine process a replica, each ready (its programs compiled): (the model's config,
     its tokenizer, engine_cfg with its dtype resolved, a ReplicaProcess a replica). A replica
-    that cannot start stops the others and raises its error as a ValueError."""
+    that cannot start stops the others and raises its error as a ValueError. `restart`: an
+    engine process that ends after it was ready is started again (its programs from the
+    compile cache), and its replica takes work once that one is ready."""
     cfg, tokenizer = load_front(model_path, engine_cfg.quantization)
     settings = tuple((name, getattr(jax.config, name)) for name in (
         "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
         "jax_platforms"))
     front = FrontEnd()
     context = multiprocessing.get_context("spawn")
-    replicas = []
-    for r in range(engine_cfg.dp_size):
-        spec = ReplicaSpec(model_path, engine_cfg, r, runner_type,
-                           f"ipc://{front.directory}/engine-{r}", front.address, settings)
+    address = lambda r: f"ipc://{front.directory}/engine-{r}"  # noqa: E731
+
+    def start(r: int) -> multiprocessing.Process:
+        spec = ReplicaSpec(model_path, engine_cfg, r, runner_type, address(r), front.address,
+                           settings)
         process = context.Process(target=engine_process_main, args=(spec,),
                                   name=f"engine-{r}", daemon=True)
         process.start()
-        replicas.append(ReplicaProcess(spec, process, front))
-    front.watch(replicas)
+        logging.info("replica %d: engine process %d", r, process.pid)
+        return process
+
+    replicas = [ReplicaProcess(r, address(r), front, start(r))
+                for r in range(engine_cfg.dp_size)]
+    front.watch(replicas, start if restart else None)
     try:
         dtypes = front.wait_ready(replicas, START_TIMEOUT_S)
     except BaseException:
@@ -144,12 +152,15 @@ def start_replica_processes(model_path: str | None, engine_cfg: EngineConfig, ru
 
 
 class ReplicaProcess:
-    """The front end's handle on a replica in an engine process: the part of Scheduler's
-    interface the engine and its router use."""
+    """A front end's handle on a replica in an engine process at `address`: the part of
+    Scheduler's interface the engine and its router use. The front end that started the
+    process holds it (`process`), and closing this handle closes it; other front ends
+    (server.api_workers) only send it work."""
 
-    def __init__(self, spec: ReplicaSpec, process, front: "FrontEnd"):
-        self.spec, self.process, self.front = spec, process, front
+    def __init__(self, replica: int, address: str, front: "FrontEnd", process=None):
+        self.replica, self.address, self.process, self.front = replica, address, process, front
         self.alive, self.closing = True, False
+        self.restarting, self.lost = False, ""  # lost: why it stays down
         self.last_status: ReplicaStatus | None = None  # from Ready on; a dead one's last
         self.load_tokens = 0  # of units sent and not yet answered; under front's lock
         self._sockets = threading.local()  # a PUSH socket a sending thread: no lock to wait on
@@ -157,12 +168,16 @@ class ReplicaProcess:
         self._sockets_lock = threading.Lock()
 
     @property
-    def replica(self) -> int:
-        return self.spec.replica
-
-    @property
     def load(self) -> int:
         return self.load_tokens if self.alive else sys.maxsize
+
+    @property
+    def down(self) -> str:
+        """Why it takes no work; "" while it does."""
+        if self.alive:
+            return ""
+        return "its engine process is starting again" if self.restarting else (
+            self.lost or "its engine process ended")
 
     def submit(self, job: Job, units: list[Unit]) -> None:
         job_id = self.front.track(job, units, self)
@@ -182,7 +197,7 @@ class ReplicaProcess:
         if socket is None:
             with self._sockets_lock:
                 socket = self._sockets.push = self.front.context.socket(zmq.PUSH)
-                socket.connect(self.spec.address)
+                socket.connect(self.address)
                 self._all_sockets.append(socket)
         try:
             socket.send(_ENCODE.encode(message))
@@ -209,15 +224,16 @@ class ReplicaProcess:
         """Forwards in flight answered, waiting units failed (503), then the process ends;
         killed if that takes over `timeout_s`."""
         self.closing = True
-        if timeout_s and self.alive and self.process.is_alive():
-            try:
-                self.front.ask(self, "close", timeout_s)
-            except (ScoreError, TimeoutError):
-                pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        if self.process is not None:
+            if timeout_s and self.alive and self.process.is_alive():
+                try:
+                    self.front.ask(self, "close", timeout_s)
+                except (ScoreError, TimeoutError):
+                    pass
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
         self.alive = False
         with self._sockets_lock:
             for socket in self._all_sockets:
@@ -247,6 +263,7 @@ class FrontEnd:
         self._jobs: dict[int, _Tracked] = {}
         self._asks: dict[int, tuple[ReplicaProcess, concurrent.futures.Future]] = {}
         self._open: set[ReplicaProcess] = set()
+        self._by_index: dict[int, ReplicaProcess] = {}
         self._ready: dict[int, Ready] = {}
         self._ready_changed = threading.Condition(self._lock)
         self._closed = False
@@ -308,17 +325,33 @@ class FrontEnd:
             replica.last_status = ready[replica.replica].status
         return [ready[r.replica].dtype for r in replicas]
 
-    def watch(self, replicas: list[ReplicaProcess]) -> None:
-        """A thread that fails an engine process's jobs and questions when it ends."""
+    def add(self, replicas: list[ReplicaProcess]) -> None:
+        """Handles this end serves; once all are closed, it closes."""
         self._open.update(replicas)
-        threading.Thread(target=self._watch, args=(replicas,), name="engine watch",
+        self._by_index.update((r.replica, r) for r in replicas)
+
+    def watch(self, replicas: list[ReplicaProcess], restart=None) -> None:
+        """`add`, and a thread that fails an engine process's jobs and questions when it
+        ends, and starts it again by `restart(replica)` if given (once it had been ready)."""
+        self.add(replicas)
+        threading.Thread(target=self._watch, args=(replicas, restart), name="engine watch",
                          daemon=True).start()
 
-    def _watch(self, replicas: list[ReplicaProcess]) -> None:
+    def _watch(self, replicas: list[ReplicaProcess], restart) -> None:
         running = {r.process.sentinel: r for r in replicas}
         while running:
             for sentinel in multiprocessing.connection.wait(list(running)):
-                self._lost(running.pop(sentinel))
+                replica = running.pop(sentinel)
+                self._lost(replica)
+                with self._lock:
+                    again = (restart is not None and not replica.closing and not replica.lost
+                             and self._ready.get(replica.replica, Ready(0, error="?")).status)
+                    if again:
+                        del self._ready[replica.replica]
+                        replica.restarting = True
+                if again:
+                    replica.process = restart(replica.replica)
+                    running[replica.process.sentinel] = replica
 
     def _lost(self, replica: ReplicaProcess) -> None:
         replica.alive = False
@@ -327,6 +360,9 @@ class FrontEnd:
         error = ScoreError(f"replica {replica.replica}'s engine process ended (exit code "
                            f"{code})", status=503)
         with self._ready_changed:
+            if replica.restarting:  # it ended again before it was ready: it stays down
+                replica.restarting = False
+                replica.lost = f"its engine process could not start again (exit code {code})"
             self._ready.setdefault(replica.replica, Ready(
                 replica.replica, error=f"replica {replica.replica}'s engine process ended "
                 f"(exit code {code}) before it was ready"))
@@ -340,6 +376,17 @@ class FrontEnd:
             job.fail(error)
         for answer in asks:
             answer.set_exception(error)
+
+    def _back(self, ready: Ready) -> None:
+        """A restarted engine process is ready (or says why it cannot be)."""
+        replica = self._by_index[ready.replica]
+        replica.restarting = False
+        if ready.error:
+            replica.lost = ready.error
+            logging.error("replica %d stays down: %s", ready.replica, ready.error)
+            return
+        replica.last_status, replica.alive = ready.status, True
+        logging.info("replica %d serves again", ready.replica)
 
     def _read(self) -> None:
         while True:
@@ -363,6 +410,9 @@ class FrontEnd:
                 with self._ready_changed:
                     self._ready[message.replica] = message
                     self._ready_changed.notify_all()
+                    back = self._by_index[message.replica].restarting
+                if back:
+                    self._back(message)
 
     def _done(self, message: Done) -> None:
         with self._lock:

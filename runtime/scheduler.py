@@ -82,6 +82,8 @@ class _Forward:
 
 
 class Scheduler:
+    down = ""  # why it takes no work: never, in this process (replica_process's may be down)
+
     def __init__(self, runner: ModelRunner, prefix_cache: bool = True, policy: str = "fair",
                  depth: int = 2):
         """`depth`: forwards in flight at once; 1 runs them one after another."""

@@ -4,18 +4,23 @@ Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path); -
 """
 import asyncio
 import os
-import signal
 
 from absl import app, flags, logging
 
 from model.loader import embedded_model_path
 from runtime.cli_flags import parse_flags
-from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from server import engine_flags
 from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
-from server.app import ScoreServer, ServerConfig
-from server.engine_flags import define_engine_flags, served_model_name, start_engine
+from server.app import ServerConfig, serve
+from server.api_workers import APIWorkerSpec, serve_with_api_workers
+from server.engine_flags import (
+    define_engine_flags,
+    engine_config,
+    served_model_name,
+    start_engine,
+    use_compile_cache,
+)
 from server.http import Limits
 
 FLAGS = flags.FLAGS
@@ -45,6 +50,9 @@ def define_server_flags() -> None:
                         "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
                        "take to finish")
+    flags.DEFINE_integer("api_workers", 1, "front-end processes sharing the port, each "
+                         "parsing, tokenizing and packing requests for the engine processes "
+                         "(vLLM's --api-server-count); 1: this process alone")
 
 
 def server_config() -> ServerConfig:
@@ -68,32 +76,26 @@ def access_policy() -> AccessPolicy:
         raise app.UsageError(f"--api-key / ${API_KEY_ENV}: {e}") from None
 
 
-async def serve(engine: Engine, config: ServerConfig) -> None:
-    server = ScoreServer(engine, config)
-    listener = await server.start(FLAGS.host, FLAGS.port)
-    port = listener.sockets[0].getsockname()[1]
-    logging.info("%s", server.describe_routes())
-    logging.info("serving %s: %s, on http://%s:%d", config.model_name, engine.describe(),
-                 FLAGS.host, port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logging.info("stopping: finishing requests in flight (up to %.0f s)", FLAGS.grace_s)
-    listener.close()
-    await server.shutdown(FLAGS.grace_s)
-
-
 def run(runner_type=ModelRunner) -> None:
     """The server of the parsed flags until SIGTERM; `runner_type`: as Engine's."""
     config = server_config()  # a bad flag fails before the model loads
+    if FLAGS.api_workers > 1:
+        if FLAGS.nnodes > 1:
+            raise app.UsageError("--api-workers > 1 serves one host: --nnodes 1")
+        use_compile_cache(FLAGS.compile_cache_dir)
+        code = serve_with_api_workers(
+            FLAGS.model_path, engine_config(), runner_type,
+            APIWorkerSpec(config, FLAGS.host, FLAGS.port, FLAGS.grace_s), FLAGS.api_workers)
+        if code:
+            raise SystemExit(code)
+        return
     engine = start_engine(runner_type)
     try:
         if FLAGS.node_rank:
             logging.info("node %d: running node 0's forwards", FLAGS.node_rank)
             logging.info("node 0 stopped after %d forwards", engine.follow())
         else:
-            asyncio.run(serve(engine, config))
+            asyncio.run(serve(engine, config, FLAGS.host, FLAGS.port, FLAGS.grace_s))
     finally:
         engine.close()
 

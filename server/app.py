@@ -3,6 +3,7 @@ scheduler thread, which batches concurrent requests."""
 import asyncio
 import dataclasses
 import json
+import signal
 import time
 import uuid
 from typing import Callable, NamedTuple
@@ -102,9 +103,11 @@ class ScoreServer:
                         "/start_profile": ("POST", self._start_profile),
                         "/stop_profile": ("POST", self._stop_profile)}
 
-    async def start(self, host: str, port: int) -> asyncio.Server:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+        """`reuse_port`: the port shared with other processes' servers (SO_REUSEPORT)."""
         return await asyncio.start_server(self.handle_connection, host, port,
-                                          limit=self.config.limits.max_head_bytes)
+                                          limit=self.config.limits.max_head_bytes,
+                                          reuse_port=reuse_port or None)
 
     async def shutdown(self, grace_s: float) -> None:
         """After the listener is closed: lets requests in flight finish (up to `grace_s`),
@@ -253,6 +256,10 @@ class ScoreServer:
             future.cancel()  # no-op once answered
 
     async def _health(self, req: Request, gone) -> dict:
+        down = [f"replica {k}: {replica.down}" for k, replica in
+                enumerate(self.engine.schedulers) if replica.down]
+        if down:
+            raise ScoreError("; ".join(down), status=503)
         return {"status": "ok"}
 
     async def _flush_cache(self, req: Request, gone) -> dict:
@@ -287,6 +294,29 @@ class ScoreServer:
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
                 "compilations": sum(s.compilations for s in self.engine.statuses())}
+
+
+async def serve(engine: Engine, config: ServerConfig, host: str, port: int, grace_s: float,
+                api_worker: bool = False, listening=lambda: None) -> None:
+    """Serves until SIGTERM or SIGINT, then lets requests in flight finish within `grace_s`.
+    `api_worker`: one of --api-workers front ends sharing the port (server.api_workers),
+    which announces nothing: the process that started it does, once each has called
+    `listening`."""
+    server = ScoreServer(engine, config)
+    listener = await server.start(host, port, reuse_port=api_worker)
+    listening()
+    if not api_worker:
+        port = listener.sockets[0].getsockname()[1]
+        logging.info("%s", server.describe_routes())
+        logging.info("serving %s: %s, on http://%s:%d", config.model_name, engine.describe(),
+                     host, port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.info("stopping: finishing requests in flight (up to %.0f s)", grace_s)
+    listener.close()
+    await server.shutdown(grace_s)
 
 
 def score_response(req: ScoreRequest, result: ScoreResult, model: str) -> dict:

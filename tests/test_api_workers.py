@@ -1,0 +1,100 @@
+"""`python -m server --api-workers N` (server.api_workers): front-end processes sharing the
+port in front of engine processes; a front end killed and started again while the other
+serves on; SIGTERM stops all; an engine process killed stops the server with exit code 1."""
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tests.server_harness import call
+from tests.test_parallel import requests, scores
+
+ARGS = ["--max-prefill-tokens", "256", "--max-seqs", "8", "--page-size", "8",
+        "--skip-warmup", "--noaccess_log", "--compile-cache-dir", ""]
+
+
+class Launched:
+    """The server's process, its port, and its log as it comes (a thread reads it)."""
+
+    def __init__(self, model_dir: str, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", model_dir,
+                                      "--port", "0", *ARGS, *args], stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        serving = self.wait_for(r"serving .* on http://127\.0\.0\.1:(\d+)", 240)
+        self.port = int(serving.group(1))
+        self.front_ends = [int(p) for p in re.search(r"front ends \(pids ([\d ]+)\)",
+                                                     serving.group(0)).group(1).split()]
+        self.engines = [int(m.group(1)) for line in self.lines
+                        if (m := re.search(r"engine process (\d+)", line))]
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.proc.kill()
+        raise AssertionError(f"no {pattern!r} in the log:\n" + "".join(self.lines[-30:]))
+
+
+def test_front_ends_share_the_port_and_one_killed_comes_back(engines, model_dirs):
+    server = Launched(model_dirs["qwen3"], "--api-workers", "2")
+    try:
+        assert len(server.front_ends) == 2 and len(server.engines) == 1
+        reqs = requests("qwen3", seed=31, n=7)
+        engines["qwen3"].flush_prefix_cache()
+        answers = [call(server.port, "POST", "/v1/score", r) for r in reqs]  # a connection
+        assert [a[0] for a in answers] == [200] * len(reqs)                  # each
+        assert [a[1]["scores"] for a in answers] == scores(engines["qwen3"], reqs)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            concurrent_answers = list(pool.map(
+                lambda r: call(server.port, "POST", "/v1/score", r), reqs * 3))
+        assert [a[0] for a in concurrent_answers] == [200] * len(reqs) * 3
+
+        os.kill(server.front_ends[0], signal.SIGKILL)
+        deadline, in_a_row = time.monotonic() + 10, 0
+        while in_a_row < 5 and time.monotonic() < deadline:  # until its listening socket
+            try:                                              # is gone: a connection the
+                call(server.port, "GET", "/health")           # kernel gave it is reset
+                in_a_row += 1
+            except ConnectionResetError:
+                in_a_row = 0
+                time.sleep(0.05)
+        for r in reqs[:4]:  # new connections go to the front end left
+            assert call(server.port, "POST", "/v1/score", r)[0] == 200
+        again = int(server.wait_for(r"front end 0 ended .* started again \(pid (\d+)\)",
+                                    60).group(1))
+        assert again not in server.front_ends and _alive(again)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        assert not any(_alive(p) for p in [again, server.front_ends[1], *server.engines])
+    finally:
+        server.proc.kill()
+
+
+def test_an_engine_process_that_ends_stops_the_server(model_dirs):
+    server = Launched(model_dirs["qwen3"], "--api-workers", "2")
+    try:
+        assert call(server.port, "GET", "/health")[0] == 200
+        os.kill(server.engines[0], signal.SIGKILL)
+        assert server.proc.wait(60) == 1
+        assert not any(_alive(p) for p in server.front_ends)
+    finally:
+        server.proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
