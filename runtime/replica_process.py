@@ -16,6 +16,7 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -38,6 +39,7 @@ START_TIMEOUT_S = 3600.0  # loading, quantizing and compiling a large model
 ASK_TIMEOUT_S = 30.0
 TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}  # chips a process
 TPU_FIRST_PORT = 8476
+OUTBOX_MESSAGES = 100_000  # queued for a front end that is gone, beyond which they drop
 
 
 class WireUnit(msgspec.Struct, array_like=True):
@@ -109,7 +111,7 @@ class ReplicaSpec:
     model_path: str | None
     engine_cfg: EngineConfig
     replica: int
-    runner_type: object  # as runtime.engine.local_replicas takes it
+    runner_type: object  # as runtime.replicas.local_replicas takes it
     address: str         # where it pulls work
     front: str           # where it says it is ready
     jax_settings: tuple[tuple[str, object], ...]  # jax.config values to start with
@@ -266,7 +268,6 @@ class FrontEnd:
         self._by_index: dict[int, ReplicaProcess] = {}
         self._ready: dict[int, Ready] = {}
         self._ready_changed = threading.Condition(self._lock)
-        self._closed = False
         self._reader = threading.Thread(target=self._read, name="front-end results",
                                         daemon=True)
         self._reader.start()
@@ -344,8 +345,9 @@ class FrontEnd:
                 replica = running.pop(sentinel)
                 self._lost(replica)
                 with self._lock:
+                    was_ready = self._ready.get(replica.replica)
                     again = (restart is not None and not replica.closing and not replica.lost
-                             and self._ready.get(replica.replica, Ready(0, error="?")).status)
+                             and was_ready is not None and not was_ready.error)
                     if again:
                         del self._ready[replica.replica]
                         replica.restarting = True
@@ -375,7 +377,7 @@ class FrontEnd:
         for job in jobs:
             job.fail(error)
         for answer in asks:
-            answer.set_exception(error)
+            _settle(answer, lambda f: f.set_exception(error))
 
     def _back(self, ready: Ready) -> None:
         """A restarted engine process is ready (or says why it cannot be)."""
@@ -405,7 +407,7 @@ class FrontEnd:
                 with self._lock:
                     replica, answer = self._asks.get(message.ask, (None, None))
                 if answer is not None:
-                    answer.set_result(message)
+                    _settle(answer, lambda f: f.set_result(message))
             else:
                 with self._ready_changed:
                     self._ready[message.replica] = message
@@ -436,6 +438,14 @@ class FrontEnd:
     def close(self) -> None:
         self.context.term()  # the reader's recv raises ContextTerminated and closes the inbox
         self._reader.join()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _settle(answer: concurrent.futures.Future, how) -> None:
+    try:
+        how(answer)
+    except concurrent.futures.InvalidStateError:
+        pass  # its replica was lost as it answered
 
 
 # The engine process's side.
@@ -452,8 +462,12 @@ class _Outbox:
             socket = self._sockets.get(front)
             if socket is None:
                 socket = self._sockets[front] = self.context.socket(zmq.PUSH)
+                socket.setsockopt(zmq.SNDHWM, OUTBOX_MESSAGES)
                 socket.connect(front)
-            socket.send(data)
+            try:
+                socket.send(data, zmq.NOBLOCK)
+            except zmq.Again:  # a front end gone, its queue full: nobody waits for these
+                pass
 
     def close(self) -> None:
         with self._lock:

@@ -273,8 +273,12 @@ class ScoreServer:
         loop = asyncio.get_running_loop()
         return {"trace_dir": await loop.run_in_executor(None, self.profiler.stop)}
 
+    async def _statuses(self) -> list:
+        """The replicas' ReplicaStatus, off the event loop: engine processes are asked."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.statuses)
+
     async def _metrics(self, req: Request, gone) -> str:
-        return prometheus_text(self.engine, self.metrics, {
+        return prometheus_text(self.engine, await self._statuses(), self.metrics, {
             "jax_score_open_connections": len(self._connections),
             "jax_score_pending_requests": self._pending})
 
@@ -284,16 +288,16 @@ class ScoreServer:
             "max_model_len": self.engine.max_prompt_tokens}]}
 
     async def _model_info(self, req: Request, gone) -> dict:
-        cfg, replica = self.engine.cfg, self.engine.statuses()[0]
+        cfg, statuses = self.engine.cfg, await self._statuses()
         return {"model_path": self.config.model_path, "is_generation": not cfg.is_classifier,
                 "architecture": cfg.family, "vocab_size": cfg.vocab_size,
                 "num_labels": cfg.num_labels, "max_context": cfg.max_context,
                 "dtype": self.engine.engine_cfg.dtype,
                 "quantization": cfg.quantization or "none",
-                "kernel_backend": replica.backend,
+                "kernel_backend": statuses[0].backend,
                 "tp_size": self.engine.engine_cfg.tp_size,
                 "dp_size": self.engine.engine_cfg.dp_size,
-                "compilations": sum(s.compilations for s in self.engine.statuses())}
+                "compilations": sum(s.compilations for s in statuses)}
 
 
 async def serve(engine: Engine, config: ServerConfig, host: str, port: int, grace_s: float,

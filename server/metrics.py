@@ -80,11 +80,12 @@ def _metric(name: str, kind: str, help_text: str, value) -> list[str]:
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
 
 
-def prometheus_text(engine, server: ServerMetrics, gauges: dict[str, int]) -> str:
+def prometheus_text(engine, statuses: list, server: ServerMetrics,
+                    gauges: dict[str, int]) -> str:
+    """`statuses`: the engine's replicas' (Engine.statuses)."""
     lines = server.lines()
     for name, value in gauges.items():
         lines += _metric(name, "gauge", _SERVER_GAUGES[name], value)
-    statuses = engine.statuses()
     for name, kind, help_text, value in _ENGINE_METRICS:
         lines += _metric(name, kind, help_text, value(engine, statuses))
     return "\n".join(lines) + "\n"
