@@ -322,6 +322,10 @@ class FrontEnd:
         if not ok:
             raise TimeoutError(f"{len(replicas) - len(ready)} replica(s) not ready in "
                                f"{timeout_s:.0f} s")
+        kinds = {f"{r.status.platform} ({r.status.device_kind})" for r in ready.values()}
+        if len(kinds) > 1:  # a replica left without devices of its own fell back to the CPU
+            raise ValueError(f"the replicas run on {' and '.join(sorted(kinds))}: --dp-size x "
+                             "--tp-size needs that many devices of one kind")
         for replica in replicas:
             replica.last_status = ready[replica.replica].status
         return [ready[r.replica].dtype for r in replicas]
