@@ -56,7 +56,7 @@ def serve_with_api_workers(model_path: str | None, engine_cfg: EngineConfig, run
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        with _reserved_port(spec.host, spec.port) as port:
+        with _ReservedPort(spec.host, spec.port) as port:
             spec = dataclasses.replace(spec, port=port)
             started = _Worker(spec, 0, model_path, engine.engine_cfg,
                               tuple(r.address for r in engine.schedulers))
@@ -65,7 +65,7 @@ def serve_with_api_workers(model_path: str | None, engine_cfg: EngineConfig, run
         engine.close()
 
 
-class _reserved_port:
+class _ReservedPort:
     """The port bound (not listening: no connection comes to it) with SO_REUSEPORT, so that a
     port of 0 becomes one the front ends can share; held until they are done."""
 
