@@ -2,6 +2,7 @@
 port in front of engine processes; a front end killed and started again while the other
 serves on; SIGTERM stops all; an engine process killed stops the server with exit code 1."""
 import concurrent.futures
+import http.client
 import os
 import re
 import signal
@@ -74,8 +75,13 @@ def test_front_ends_share_the_port_and_one_killed_comes_back(engines, model_dirs
         again = int(server.wait_for(r"front end 0 ended .* started again \(pid (\d+)\)",
                                     60).group(1))
         assert again not in server.front_ends and _alive(again)
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(60) == 0
+        outcomes, load = _load(server.port, reqs, clients=8)
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)  # with requests in flight in both
+        assert server.proc.wait(60) == 0         # front ends: each answered, or refused
+        load.join(30)
+        assert outcomes and set(outcomes) <= {200, 503, "refused"}, set(outcomes)
+        assert outcomes.count(200) >= 8
         assert not any(_alive(p) for p in [again, server.front_ends[1], *server.engines])
     finally:
         server.proc.kill()
@@ -98,3 +104,28 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _load(port: int, reqs: list[dict], clients: int):
+    """Clients sending `reqs` over and over until the server stops taking connections:
+    (each request's status, or "refused" or "reset", and the thread running them)."""
+    outcomes = []
+
+    def client(k: int) -> None:
+        while True:
+            try:
+                outcomes.append(call(port, "POST", "/v1/score", reqs[k % len(reqs)])[0])
+            except ConnectionRefusedError:
+                outcomes.append("refused")
+                return
+            except (ConnectionResetError, http.client.RemoteDisconnected):
+                outcomes.append("reset")
+                return
+
+    def run() -> None:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            list(pool.map(client, range(clients)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return outcomes, thread
