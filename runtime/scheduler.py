@@ -131,11 +131,13 @@ class Scheduler:
         st, runner = self.stats, self.runner
         with self._cond:
             waiting, free = len(self._waiting), self.pool.free_count
+        counters = {f.name: getattr(st, f.name) for f in dataclasses.fields(ReplicaStatus)
+                    if hasattr(st, f.name)}  # SchedulerStats' own, by name
         return ReplicaStatus(
-            st.forwards, st.failed_forwards, st.computed_tokens, st.padded_tokens,
-            st.cached_tokens, st.in_flight_s, st.host_s, waiting, self.pool.num_pages, free,
-            self.buckets.page_size, runner.compile_count, runner.backend, len(runner.devices),
-            runner.devices[0].platform, runner.devices[0].device_kind)
+            **counters, waiting=waiting, kv_pages=self.pool.num_pages, kv_pages_free=free,
+            page_size=self.buckets.page_size, compilations=runner.compile_count,
+            backend=runner.backend, devices=len(runner.devices),
+            platform=runner.devices[0].platform, device_kind=runner.devices[0].device_kind)
 
     def check_pages(self) -> None:
         """The page invariant: counts equal holders (sequences in flight and the cache)."""
