@@ -1,9 +1,12 @@
 """Routes of the scoring server, on plain asyncio streams; the model runs in the engine's
 scheduler thread, which batches concurrent requests."""
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import signal
+import socket
 import time
 import uuid
 from typing import Callable, NamedTuple
@@ -29,7 +32,8 @@ from server.http import (
     encode_response,
     error_body,
     linger,
-    read_request,
+    read_request_from,
+    request_begins,
     send,
 )
 from server.metrics import ServerMetrics, prometheus_text
@@ -58,6 +62,8 @@ class ServerConfig:
             raise ValueError(f"gone_poll_s must be positive, got {self.gone_poll_s}")
 
 
+FIRST_REQUEST_WAIT_S = 1.0  # at shutdown, how long a connection with no request yet may take
+                            # to send one: its client has just connected to send it
 CLIENT_GONE = 499  # nginx's status for a client that closed before its answer
 RERANK_ROUTES = ("/v1/rerank", "/v2/rerank", "/rerank")  # vLLM's, Cohere's v2, Jina's
 
@@ -90,9 +96,10 @@ class ScoreServer:
         self.metrics = ServerMetrics()
         self.profiler = Profiler(config.trace_dir)
         self._pending = 0       # score requests submitted and not answered
-        self._busy = 0          # requests being answered, of any route
+        self._busy = 0          # requests being read or answered, of any route
         self._closing = False
         self._connections: set[asyncio.Task] = set()
+        self._unopened: set[asyncio.Task] = set()  # connections no request has come on yet
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
                         "/health": ("GET", self._health),
@@ -105,26 +112,55 @@ class ScoreServer:
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         """`reuse_port`: the port shared with other processes' servers (SO_REUSEPORT)."""
-        return await asyncio.start_server(self.handle_connection, host, port,
-                                          limit=self.config.limits.max_head_bytes,
-                                          reuse_port=reuse_port or None)
+        return await asyncio.get_running_loop().create_server(
+            self._protocol, host, port, reuse_port=reuse_port or None)
 
-    async def shutdown(self, grace_s: float) -> None:
-        """After the listener is closed: lets requests in flight finish (up to `grace_s`),
-        then closes every connection."""
+    def _protocol(self) -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(
+            asyncio.StreamReader(limit=self.config.limits.max_head_bytes),
+            self.handle_connection)
+
+    async def shutdown(self, listener: asyncio.Server, grace_s: float) -> None:
+        """Stops listening, lets requests in flight finish (up to `grace_s`), then closes
+        every connection. In flight: each request whose first byte has come, and, for
+        FIRST_REQUEST_WAIT_S after the last of those, the first request of a connection."""
         self._closing = True
+        await self._stop_listening(listener)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self._busy and loop.time() < deadline:
+        idle_since = loop.time()
+        while loop.time() < deadline:
+            if self._busy:
+                idle_since = loop.time()
+            elif not self._unopened or loop.time() - idle_since > FIRST_REQUEST_WAIT_S:
+                break
             await asyncio.sleep(0.02)
         for task in self._connections:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
 
+    async def _stop_listening(self, listener: asyncio.Server) -> None:
+        """Closes the listener, first taking the connections the kernel has queued on it:
+        closing would reset them (with SO_REUSEPORT, each process's queue is its own)."""
+        loop = asyncio.get_running_loop()
+        queued = []
+        for listening in listener.sockets:
+            loop.remove_reader(listening.fileno())
+            with socket.socket(fileno=os.dup(listening.fileno())) as sock:
+                sock.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        queued.append(sock.accept()[0])
+        listener.close()
+        for conn in queued:
+            conn.setblocking(False)
+            await loop.connect_accepted_socket(self._protocol, conn)
+
     async def handle_connection(self, reader, writer) -> None:
         task = asyncio.current_task()
         over_limit = len(self._connections) >= self.config.max_connections
         self._connections.add(task)
+        self._unopened.add(task)
         try:
             while await self._serve_one(reader, writer, over_limit):
                 pass
@@ -133,20 +169,23 @@ class ScoreServer:
             pass
         finally:
             self._connections.discard(task)
+            self._unopened.discard(task)
             writer.close()
 
     async def _serve_one(self, reader, writer, over_limit: bool) -> bool:
         """Reads and answers one request; False when the connection is to be closed."""
-        try:
-            req = await read_request(reader, self.config.limits, writer)
-        except HttpError as e:
-            await self._respond(writer, None, time.perf_counter(), self._error(e), False)
+        first = await request_begins(reader, self.config.limits)
+        self._unopened.discard(asyncio.current_task())
+        if first is None:
             return False
-        if req is None:
-            return False
-        start = time.perf_counter()
         self._busy += 1
         try:
+            try:
+                req = await read_request_from(first, reader, self.config.limits, writer)
+            except HttpError as e:
+                await self._respond(writer, None, time.perf_counter(), self._error(e), False)
+                return False
+            start = time.perf_counter()
             if over_limit:
                 answer = self._error(ScoreError("too many open connections, retry later", 503))
             else:
@@ -319,8 +358,7 @@ async def serve(engine: Engine, config: ServerConfig, host: str, port: int, grac
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     logging.info("stopping: finishing requests in flight (up to %.0f s)", grace_s)
-    listener.close()
-    await server.shutdown(grace_s)
+    await server.shutdown(listener, grace_s)
 
 
 def score_response(req: ScoreRequest, result: ScoreResult, model: str) -> dict:

@@ -177,11 +177,23 @@ async def read_request(reader: asyncio.StreamReader, limits: Limits,
                        writer=None) -> Request | None:
     """The next request on the connection, or None when the client closed it or stayed idle
     past the keep-alive timeout. `writer` answers `Expect: 100-continue`."""
+    first = await request_begins(reader, limits)
+    return None if first is None else await read_request_from(first, reader, limits, writer)
+
+
+async def request_begins(reader: asyncio.StreamReader, limits: Limits) -> bytes | None:
+    """The next request's first byte, or None when the client closed the connection or stayed
+    idle past the keep-alive timeout."""
     try:
         async with asyncio.timeout(limits.idle_timeout_s):
-            first = await reader.readexactly(1)
+            return await reader.readexactly(1)
     except (asyncio.IncompleteReadError, TimeoutError):
         return None
+
+
+async def read_request_from(first: bytes, reader: asyncio.StreamReader, limits: Limits,
+                            writer=None) -> Request:
+    """The request whose first byte was `first` (request_begins)."""
     head = await _within(limits.header_timeout_s, "request head", _head(reader, first))
     req = _parse_head(head)
     try:

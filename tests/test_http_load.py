@@ -40,12 +40,18 @@ def test_a_client_that_disconnects_has_its_request_dropped(model_dirs, monkeypat
 
 
 def test_shutdown_finishes_the_requests_in_flight(model_dirs, monkeypatch):
+    """In flight: a request being answered; one on a connection the kernel has queued and the
+    server not yet taken (closing the listener would reset it); the first request of a
+    connection taken just before, sent once the others are answered."""
     import asyncio
 
-    from server.app import ScoreServer
+    from server.app import FIRST_REQUEST_WAIT_S, ScoreServer
     engine = Engine.from_path(model_dirs["llama"], small_config())
+    engine.score(**OK)  # compiled: the gated forward then ends soon after its release
     gate = GatedRunner(engine.runner, monkeypatch)
     server = ScoreServer(engine)
+    body = json.dumps(OK).encode()
+    request = b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
     async def scenario():
         listener = await server.start("127.0.0.1", 0)
@@ -53,12 +59,22 @@ def test_shutdown_finishes_the_requests_in_flight(model_dirs, monkeypatch):
         loop = asyncio.get_running_loop()
         reply = loop.run_in_executor(None, call, port, "POST", "/v1/score", OK)
         assert await loop.run_in_executor(None, gate.entered.wait, 60)
-        listener.close()  # what SIGTERM does first
+        taken = socket.create_connection(("127.0.0.1", port), timeout=30)
+        await asyncio.sleep(0.2)  # the server takes the connection; no request on it yet
+        queued = socket.create_connection(("127.0.0.1", port), timeout=30)
+        queued.sendall(request)   # the event loop has not run since: still in the kernel's queue
         loop.call_later(0.3, gate.release.set)
-        await server.shutdown(grace_s=30)
+        reply.add_done_callback(  # once the first request is answered
+            lambda _: loop.call_later(FIRST_REQUEST_WAIT_S / 4, taken.sendall, request))
+        await server.shutdown(listener, grace_s=30)  # what SIGTERM does
         status, payload, headers = await reply
         assert status == 200 and len(payload["scores"]) == 2
         assert headers["Connection"] == "close"
+        for conn in (queued, taken):
+            with conn:
+                answer = b"".join(iter(lambda: conn.recv(65536), b""))
+            assert answer.startswith(b"HTTP/1.1 200 ") and b"\r\nConnection: close\r\n" in answer
+            assert len(json.loads(answer.split(b"\r\n\r\n", 1)[1])["scores"]) == 2
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5)
 
