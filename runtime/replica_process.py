@@ -12,6 +12,7 @@ engine process exits when the process that started it is gone.
 """
 import concurrent.futures
 import dataclasses
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -528,6 +529,7 @@ def engine_process_main(spec: ReplicaSpec) -> None:
         sys.exit(1)
     inbox = context.socket(zmq.PULL)
     inbox.bind(spec.address)
+    gc.freeze()  # what start-up made (JAX's, the model's objects) is never scanned again
     outbox.send(spec.front, Ready(spec.replica, dtype, scheduler.status()))
     try:
         _serve(scheduler, inbox, outbox)

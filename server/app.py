@@ -3,6 +3,7 @@ scheduler thread, which batches concurrent requests."""
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -258,25 +259,28 @@ class ScoreServer:
         with jax.profiler.TraceAnnotation("parse_request"):
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
-        result = await self._queued(self.engine.submit, score_req, gone)
+        result = await self._queued(self.engine.submit, score_req, score_req.is_text, gone)
         return Answer(200, score_response(score_req, result, self.config.model_name), [],
                       len(result.scores))
 
     async def _rerank(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
             rerank_req = parse_rerank_request(parse_json(req.body))
-        result = await self._queued(self.engine.submit_rerank, rerank_req, gone)
+        result = await self._queued(self.engine.submit_rerank, rerank_req, True, gone)
         return Answer(200, rerank_response(rerank_req, result, self.config.model_name), [],
                       len(rerank_req.documents))
 
-    async def _queued(self, submit, request, gone):
+    async def _queued(self, submit, request, tokenizes: bool, gone):
         """`submit(request)`'s result, unless the server is saturated (503) or the client goes
-        away first (its work is dropped)."""
+        away first (its work is dropped). `tokenizes`: submit runs off the event loop (the
+        tokenizer releases the interpreter lock); token ids are checked and packed here,
+        cheaper than a thread's hop and back."""
         if self._pending >= self.config.max_pending:
             raise ScoreError("server is saturated, retry later", status=503)
         self._pending += 1
-        try:  # tokenizing runs off the event loop
-            future = await asyncio.get_running_loop().run_in_executor(None, submit, request)
+        try:
+            future = (await asyncio.get_running_loop().run_in_executor(None, submit, request)
+                      if tokenizes else submit(request))
             return await self._result_unless_gone(future, gone)
         finally:
             self._pending -= 1
@@ -347,6 +351,7 @@ async def serve(engine: Engine, config: ServerConfig, host: str, port: int, grac
     `listening`."""
     server = ScoreServer(engine, config)
     listener = await server.start(host, port, reuse_port=api_worker)
+    gc.freeze()  # what start-up made (JAX's, the model's objects) is never scanned again
     listening()
     if not api_worker:
         port = listener.sockets[0].getsockname()[1]
