@@ -3,8 +3,10 @@
 Flags may be spelled as in SGLang (--model-path) or as in absl (--model_path); --help lists them.
 """
 import asyncio
+import glob
 import os
 
+import jax
 from absl import app, flags, logging
 
 from model.loader import embedded_model_path
@@ -13,7 +15,6 @@ from runtime.model_runner import ModelRunner
 from server import engine_flags
 from server.access import ADMIN_SETTINGS, AccessPolicy, admin_routes_open
 from server.app import ServerConfig, serve
-from server.api_workers import APIWorkerSpec, serve_with_api_workers
 from server.engine_flags import (
     define_engine_flags,
     engine_config,
@@ -25,6 +26,25 @@ from server.http import Limits
 
 FLAGS = flags.FLAGS
 API_KEY_ENV = "JAX_SCORE_API_KEY"  # the key without it showing in `ps`
+_DEVICE_FILES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*",  # TPU chips, as libtpu finds them
+                 "/dev/nvidia[0-9]*", "/dev/kfd")          # NVIDIA and AMD GPUs
+
+
+def auto_api_workers(replicas: int, cores: int, accelerator: bool) -> int:
+    """--api-workers auto: 1 (this process alone, no IPC) on CPU devices, whose forward is the
+    bound, not the host path; with accelerators, two front ends a replica as far as the cores
+    go (a front end is one interpreter, about a core; a v6e chip at full pace takes 1-2.3
+    cores of front-end work: docs/host_path.md)."""
+    return max(1, min(2 * replicas, cores)) if accelerator else 1
+
+
+def has_accelerator(platforms: str) -> bool:
+    """Whether JAX will find a TPU or GPU, without starting its backends (the engine
+    processes will own the devices): `platforms` (JAX_PLATFORMS) if set, else the devices'
+    files."""
+    if platforms:
+        return platforms.split(",")[0] != "cpu"
+    return any(glob.glob(pattern) for pattern in _DEVICE_FILES)
 
 
 def define_server_flags() -> None:
@@ -50,9 +70,10 @@ def define_server_flags() -> None:
                         "traces (view with TensorBoard); default: a new temporary directory")
     flags.DEFINE_float("grace_s", 30.0, "on SIGTERM/SIGINT, how long requests in flight may "
                        "take to finish")
-    flags.DEFINE_integer("api_workers", 1, "front-end processes sharing the port, each "
-                         "parsing, tokenizing and packing requests for the engine processes "
-                         "(vLLM's --api-server-count); 1: this process alone")
+    flags.DEFINE_string("api_workers", "auto", "front-end processes sharing the port, each "
+                        "parsing, tokenizing and packing requests for the engine processes "
+                        "(vLLM's --api-server-count); 1: this process alone; auto: 1 on CPU "
+                        "devices, else 2 a replica up to the host's cores")
 
 
 def server_config() -> ServerConfig:
@@ -76,16 +97,50 @@ def access_policy() -> AccessPolicy:
         raise app.UsageError(f"--api-key / ${API_KEY_ENV}: {e}") from None
 
 
+def api_workers() -> int:
+    """--api-workers, `auto` resolved (to 1 where the processes extra is not installed)."""
+    if FLAGS.api_workers == "auto":
+        workers = 1 if FLAGS.nnodes > 1 else auto_api_workers(
+            FLAGS.dp_size, os.cpu_count() or 1, has_accelerator(jax.config.jax_platforms or ""))
+        if workers > 1 and not _has_processes_extra():
+            logging.warning("--api-workers auto: one front end, not %d: pip install "
+                            "'jax-score[processes]' for more", workers)
+            return 1
+        return workers
+    try:
+        workers = int(FLAGS.api_workers)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise app.UsageError(f"--api-workers must be auto or an integer >= 1, got "
+                             f"{FLAGS.api_workers!r}")
+    if workers > 1 and FLAGS.nnodes > 1:
+        raise app.UsageError("--api-workers > 1 serves one host: --nnodes 1")
+    if workers > 1 and not _has_processes_extra():
+        raise app.UsageError("--api-workers > 1 needs pyzmq and msgspec: pip install "
+                             "'jax-score[processes]'")
+    return workers
+
+
+def _has_processes_extra() -> bool:
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run(runner_type=ModelRunner) -> None:
     """The server of the parsed flags until SIGTERM; `runner_type`: as Engine's."""
     config = server_config()  # a bad flag fails before the model loads
-    if FLAGS.api_workers > 1:
-        if FLAGS.nnodes > 1:
-            raise app.UsageError("--api-workers > 1 serves one host: --nnodes 1")
+    workers = api_workers()
+    if workers > 1:
+        from server.api_workers import APIWorkerSpec, serve_with_api_workers
         use_compile_cache(FLAGS.compile_cache_dir)
         code = serve_with_api_workers(
             FLAGS.model_path, engine_config(), runner_type,
-            APIWorkerSpec(config, FLAGS.host, FLAGS.port, FLAGS.grace_s), FLAGS.api_workers)
+            APIWorkerSpec(config, FLAGS.host, FLAGS.port, FLAGS.grace_s), workers)
         if code:
             raise SystemExit(code)
         return

@@ -1,6 +1,7 @@
 """`python -m server --api-workers N` (server.api_workers): front-end processes sharing the
 port in front of engine processes; a front end killed and started again while the other
-serves on; SIGTERM stops all; an engine process killed stops the server with exit code 1."""
+serves on; SIGTERM stops all; an engine process killed stops the server with exit code 1;
+what `auto` picks; the server without the processes extra."""
 import concurrent.futures
 import http.client
 import os
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 
+from server.__main__ import auto_api_workers, has_accelerator
 from tests.server_harness import call
 from tests.test_parallel import requests, scores
 
@@ -129,3 +131,44 @@ def _load(port: int, reqs: list[dict], clients: int):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return outcomes, thread
+
+
+def test_auto_is_one_process_on_cpu_and_two_front_ends_a_replica_on_accelerators(
+        tmp_path, monkeypatch):
+    assert auto_api_workers(replicas=1, cores=2, accelerator=False) == 1
+    assert auto_api_workers(replicas=8, cores=180, accelerator=False) == 1
+    assert auto_api_workers(replicas=1, cores=2, accelerator=True) == 2
+    assert auto_api_workers(replicas=4, cores=96, accelerator=True) == 8
+    assert auto_api_workers(replicas=8, cores=4, accelerator=True) == 4
+    assert auto_api_workers(replicas=1, cores=1, accelerator=True) == 1
+    assert not has_accelerator("cpu") and has_accelerator("tpu") and has_accelerator("cuda,cpu")
+    import server.__main__
+    monkeypatch.setattr(server.__main__, "_DEVICE_FILES", (str(tmp_path / "accel[0-9]*"),))
+    assert not has_accelerator("")
+    (tmp_path / "accel0").touch()
+    assert has_accelerator("")
+
+
+def test_without_the_processes_extra_one_process_serves(model_dirs):
+    """pyzmq and msgspec are an extra: `python -m server` serves without them (auto: one
+    process on CPU), and --api-workers 2 says what to install."""
+    run_without = ("import runpy, sys; sys.modules['zmq'] = sys.modules['msgspec'] = None; "
+                   "runpy.run_module('server', run_name='__main__', alter_sys=True)")
+    command = [sys.executable, "-c", run_without, "--model-path", model_dirs["qwen3"],
+               "--port", "0", *ARGS]
+    refused = subprocess.run([*command, "--api-workers", "2"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 1 and "pip install 'jax-score[processes]'" in refused.stderr
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if match := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line):
+                break
+        else:
+            raise AssertionError(f"exited with {proc.wait()} before serving")
+        port = int(match.group(1))
+        assert {call(port, "POST", "/v1/score", r)[0] for r in requests("qwen3", 5, 2)} == {200}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
