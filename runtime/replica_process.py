@@ -101,8 +101,19 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     error: str = ""
 
 
+class Lost(msgspec.Struct, tag=True, array_like=True):
+    """From the front end that watches the engine processes to the others (server.api_workers):
+    a replica's process ended; it is `restarting`, or `lost` says why it stays down; `status`:
+    the last it gave."""
+    replica: int
+    message: str
+    restarting: bool
+    lost: str = ""
+    status: ReplicaStatus | None = None
+
+
 _TO_ENGINE = msgspec.msgpack.Decoder(Submit | Cancel | Ask)
-_TO_FRONT = msgspec.msgpack.Decoder(Done | Failed | Reply | Ready)
+_TO_FRONT = msgspec.msgpack.Decoder(Done | Failed | Reply | Ready | Lost)
 _ENCODE = msgspec.msgpack.Encoder()
 
 
@@ -269,6 +280,8 @@ class FrontEnd:
         self._by_index: dict[int, ReplicaProcess] = {}
         self._ready: dict[int, Ready] = {}
         self._ready_changed = threading.Condition(self._lock)
+        self._followers: dict[int, str] = {}  # the other front ends' addresses, by key
+        self._relay = _Outbox(self.context)
         self._reader = threading.Thread(target=self._read, name="front-end results",
                                         daemon=True)
         self._reader.start()
@@ -336,6 +349,23 @@ class FrontEnd:
         self._open.update(replicas)
         self._by_index.update((r.replica, r) for r in replicas)
 
+    def relay_to(self, key: int, address: str) -> None:
+        """The front end at `address` (replacing the one under `key`) hears of each engine
+        process lost and back, and now of those down."""
+        with self._lock:
+            self._followers[key] = address
+            down = [r for r in self._by_index.values() if not r.alive]
+        for replica in down:
+            self._relay.send(address, Lost(replica.replica, f"replica {replica.replica} is "
+                                           f"down", replica.restarting, replica.lost,
+                                           replica.last_status))
+
+    def _relay_all(self, message) -> None:
+        with self._lock:
+            followers = list(self._followers.values())
+        for address in followers:
+            self._relay.send(address, message)
+
     def watch(self, replicas: list[ReplicaProcess], restart=None) -> None:
         """`add`, and a thread that fails an engine process's jobs and questions when it
         ends, and starts it again by `restart(replica)` if given (once it had been ready)."""
@@ -348,7 +378,7 @@ class FrontEnd:
         while running:
             for sentinel in multiprocessing.connection.wait(list(running)):
                 replica = running.pop(sentinel)
-                self._lost(replica)
+                error = self._lost(replica)
                 with self._lock:
                     was_ready = self._ready.get(replica.replica)
                     again = (restart is not None and not replica.closing and not replica.lost
@@ -356,11 +386,15 @@ class FrontEnd:
                     if again:
                         del self._ready[replica.replica]
                         replica.restarting = True
+                if not replica.closing:
+                    self._relay_all(Lost(replica.replica, error.message, again, replica.lost,
+                                         replica.last_status))
                 if again:
                     replica.process = restart(replica.replica)
                     running[replica.process.sentinel] = replica
 
-    def _lost(self, replica: ReplicaProcess) -> None:
+    def _lost(self, replica: ReplicaProcess) -> ScoreError:
+        """Its jobs and questions failed with the error returned."""
         replica.alive = False
         replica.process.join(5)  # its sentinel may be ready just before it exits
         code = replica.process.exitcode
@@ -374,11 +408,23 @@ class FrontEnd:
                 replica.replica, error=f"replica {replica.replica}'s engine process ended "
                 f"(exit code {code}) before it was ready"))
             self._ready_changed.notify_all()
-            jobs = [t.job for t in self._jobs.values() if t.replica is replica]
-            asks = [a for r, a in self._asks.values() if r is replica]
         if code and not replica.closing:
             logging.error("replica %d's engine process ended with exit code %s",
                           replica.replica, code)
+        self._fail(replica, error)
+        return error
+
+    def _told_lost(self, message: Lost) -> None:
+        """Another front end watches the engine processes (server.api_workers)."""
+        replica = self._by_index[message.replica]
+        replica.alive, replica.restarting, replica.lost = False, message.restarting, message.lost
+        replica.last_status = replica.last_status or message.status
+        self._fail(replica, ScoreError(message.message, status=503))
+
+    def _fail(self, replica: ReplicaProcess, error: ScoreError) -> None:
+        with self._lock:
+            jobs = [t.job for t in self._jobs.values() if t.replica is replica]
+            asks = [a for r, a in self._asks.values() if r is replica]
         for job in jobs:
             job.fail(error)
         for answer in asks:
@@ -386,6 +432,7 @@ class FrontEnd:
 
     def _back(self, ready: Ready) -> None:
         """A restarted engine process is ready (or says why it cannot be)."""
+        self._relay_all(ready)
         replica = self._by_index[ready.replica]
         replica.restarting = False
         if ready.error:
@@ -408,6 +455,8 @@ class FrontEnd:
                 tracked = self._jobs.get(message.job)
                 if tracked is not None:
                     tracked.job.fail(ScoreError(message.message, message.status))
+            elif isinstance(message, Lost):
+                self._told_lost(message)
             elif isinstance(message, Reply):
                 with self._lock:
                     replica, answer = self._asks.get(message.ask, (None, None))
@@ -441,6 +490,7 @@ class FrontEnd:
             self.close()
 
     def close(self) -> None:
+        self._relay.close()
         self.context.term()  # the reader's recv raises ContextTerminated and closes the inbox
         self._reader.join()
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -138,11 +138,9 @@ def run(runner_type=ModelRunner) -> None:
     if workers > 1:
         from server.api_workers import APIWorkerSpec, serve_with_api_workers
         use_compile_cache(FLAGS.compile_cache_dir)
-        code = serve_with_api_workers(
-            FLAGS.model_path, engine_config(), runner_type,
-            APIWorkerSpec(config, FLAGS.host, FLAGS.port, FLAGS.grace_s), workers)
-        if code:
-            raise SystemExit(code)
+        serve_with_api_workers(FLAGS.model_path, engine_config(), runner_type,
+                               APIWorkerSpec(config, FLAGS.host, FLAGS.port, FLAGS.grace_s),
+                               workers)
         return
     engine = start_engine(runner_type)
     try:

@@ -3,14 +3,17 @@
 server, parsing, validating, tokenizing and packing requests, and sending their units of work
 to the engine processes (runtime.replica_process, one a replica) over ZeroMQ, answers coming
 back the same way. This process starts the engine processes, then the front ends; it starts
-again a front end that dies (its connections drop, the others serve on); on SIGTERM or SIGINT
-it stops the front ends, each finishing its requests within the grace period, then the
-engines. An engine process that ends stops the server with exit code 1.
+again a front end that dies (its connections drop, the others serve on) and an engine process
+that ends (the front ends, told, fail its requests with 503 and say so on /health until it is
+ready); on SIGTERM or SIGINT it stops the front ends, each finishing its requests within the
+grace period, then the engines.
 """
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
+import queue
 import signal
 import socket
 import threading
@@ -46,11 +49,10 @@ class _Worker:
 
 
 def serve_with_api_workers(model_path: str | None, engine_cfg: EngineConfig, runner_type,
-                           spec: APIWorkerSpec, workers: int) -> int:
-    """Serves until SIGTERM or SIGINT; the exit code (1 if an engine process ended)."""
-    cfg, tokenizer, engine_cfg, replicas = start_replica_processes(  # no restarts: the
-        model_path, dataclasses.replace(engine_cfg, replica_processes=True), runner_type,
-        restart=False)  # front ends would not know a replica was lost
+                           spec: APIWorkerSpec, workers: int) -> None:
+    """Serves until SIGTERM or SIGINT."""
+    cfg, tokenizer, engine_cfg, replicas = start_replica_processes(
+        model_path, dataclasses.replace(engine_cfg, replica_processes=True), runner_type)
     engine = Engine(cfg, tokenizer, engine_cfg, replicas)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -60,7 +62,7 @@ def serve_with_api_workers(model_path: str | None, engine_cfg: EngineConfig, run
             spec = dataclasses.replace(spec, port=port)
             started = _Worker(spec, 0, model_path, engine.engine_cfg,
                               tuple(r.address for r in engine.schedulers))
-            return _run_workers(engine, started, workers, stop)
+            _run_workers(engine, started, workers, stop)
     finally:
         engine.close()
 
@@ -82,37 +84,37 @@ class _ReservedPort:
         self._socket.close()
 
 
-def _run_workers(engine: Engine, worker: _Worker, n: int, stop: threading.Event) -> int:
+def _run_workers(engine: Engine, worker: _Worker, n: int, stop: threading.Event) -> None:
     context = multiprocessing.get_context("spawn")
-    ready = context.Queue()
+    ready = context.Queue()  # (a front end's index, its start-up error or "", its address)
     start = lambda k: _start(context, dataclasses.replace(worker, index=k), ready)  # noqa
+    front = engine.schedulers[0].front  # watches the engine processes, tells the front ends
     running = {k: start(k) for k in range(n)}
     for _ in range(n):
-        index, error = ready.get(timeout=START_TIMEOUT_S)
+        index, error, address = ready.get(timeout=START_TIMEOUT_S)
         if error:
             _stop(running.values(), 0)
             raise ValueError(f"front end {index}: {error}")
+        front.relay_to(index, address)
     spec = worker.spec
     logging.info("%s", ScoreServer(engine, spec.config).describe_routes())
     logging.info("serving %s: %s, %d front ends (pids %s), on http://%s:%d",
                  spec.config.model_name, engine.describe(), n,
                  " ".join(str(p.pid) for p in running.values()), spec.host, spec.port)
-    engines = {r.process.sentinel: r for r in engine.schedulers}
-    code = 0
     while not stop.is_set():
-        sentinels = [p.sentinel for p in running.values()] + list(engines)
-        ended = multiprocessing.connection.wait(sentinels, timeout=0.2)
-        if any(s in engines for s in ended):
-            logging.error("an engine process ended: stopping the server")
-            code = 1
-            break
+        ended = multiprocessing.connection.wait([p.sentinel for p in running.values()],
+                                                timeout=0.2)
         for k, process in list(running.items()):
             if process.sentinel in ended and not stop.is_set():
                 running[k] = start(k)
                 logging.warning("front end %d ended (exit code %s): started again (pid %d)",
                                 k, process.exitcode, running[k].pid)
+        with contextlib.suppress(queue.Empty):
+            while True:  # a front end started again is ready
+                index, error, address = ready.get_nowait()
+                if not error:
+                    front.relay_to(index, address)
     _stop(running.values(), spec.grace_s + 5)
-    return code
 
 
 def _start(context, worker: _Worker, ready) -> multiprocessing.Process:
@@ -144,11 +146,12 @@ def api_worker_main(worker: _Worker, ready) -> None:
         front.add(replicas)
         engine = Engine(cfg, tokenizer, worker.engine_cfg, replicas)
     except Exception as e:
-        ready.put((worker.index, f"{type(e).__name__}: {e}"))
+        ready.put((worker.index, f"{type(e).__name__}: {e}", ""))
         raise
     spec = worker.spec
     try:
         asyncio.run(serve(engine, spec.config, spec.host, spec.port, spec.grace_s,
-                          api_worker=True, listening=lambda: ready.put((worker.index, ""))))
+                          api_worker=True,
+                          listening=lambda: ready.put((worker.index, "", front.address))))
     finally:
         engine.close()

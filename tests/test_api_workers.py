@@ -1,6 +1,6 @@
 """`python -m server --api-workers N` (server.api_workers): front-end processes sharing the
 port in front of engine processes; a front end killed and started again while the other
-serves on; SIGTERM stops all; an engine process killed stops the server with exit code 1;
+serves on; SIGTERM stops all; an engine process killed is started again, every front end told;
 what `auto` picks; the server without the processes extra."""
 import concurrent.futures
 import http.client
@@ -89,13 +89,34 @@ def test_front_ends_share_the_port_and_one_killed_comes_back(engines, model_dirs
         server.proc.kill()
 
 
-def test_an_engine_process_that_ends_stops_the_server(model_dirs):
+def test_an_engine_process_killed_is_started_again_for_every_front_end(engines, model_dirs):
+    """Both front ends hear of it: /health says so (503) on every connection until it is
+    ready, then scores are the same as before."""
     server = Launched(model_dirs["qwen3"], "--api-workers", "2")
     try:
-        assert call(server.port, "GET", "/health")[0] == 200
+        reqs = requests("qwen3", seed=37, n=4)
+        engines["qwen3"].flush_prefix_cache()
+        want = scores(engines["qwen3"], reqs)
         os.kill(server.engines[0], signal.SIGKILL)
-        assert server.proc.wait(60) == 1
-        assert not any(_alive(p) for p in server.front_ends)
+        deadline = time.monotonic() + 10
+        while call(server.port, "GET", "/health")[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # one front end has heard, and the other as soon
+        health = [call(server.port, "GET", "/health")[:2] for _ in range(20)]  # on both
+        assert {status for status, _ in health} == {503}, health
+        assert all("replica 0: its engine process is starting again" in body["message"]
+                   for _, body in health), health[0]
+        assert call(server.port, "POST", "/v1/score", reqs[0])[0] == 503
+        server.wait_for(r"replica 0 serves again", 240)
+        *_, again = [int(m.group(1)) for line in server.lines
+                     if (m := re.search(r"replica 0: engine process (\d+)", line))]
+        assert again != server.engines[0]
+        time.sleep(0.2)
+        assert {call(server.port, "GET", "/health")[0] for _ in range(20)} == {200}
+        assert [call(server.port, "POST", "/v1/score", r)[1]["scores"] for r in reqs] == want
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        assert not any(_alive(p) for p in [again, *server.front_ends])
     finally:
         server.proc.kill()
 
