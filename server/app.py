@@ -101,6 +101,9 @@ class ScoreServer:
         self._closing = False
         self._connections: set[asyncio.Task] = set()
         self._unopened: set[asyncio.Task] = set()  # connections no request has come on yet
+        self._waiting: dict[asyncio.Future, Callable[[], bool]] = {}  # results, client gone?
+        self._clients_gone: set[asyncio.Future] = set()
+        self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
                         "/health": ("GET", self._health),
@@ -136,6 +139,8 @@ class ScoreServer:
             elif not self._unopened or loop.time() - idle_since > FIRST_REQUEST_WAIT_S:
                 break
             await asyncio.sleep(0.02)
+        if self._watch is not None:
+            self._watch.cancel()
         for task in self._connections:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
@@ -288,15 +293,28 @@ class ScoreServer:
     async def _result_unless_gone(self, future, gone):
         """The request's result; if its client disconnects first, its work is dropped."""
         waiting = asyncio.wrap_future(future)
+        self._waiting[waiting] = gone
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._watch_clients())
         try:
-            while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self.config.gone_poll_s)
-                if done:
-                    return waiting.result()
-                if gone():
-                    raise ConnectionResetError("client went away")
+            return await waiting
+        except asyncio.CancelledError:
+            if waiting in self._clients_gone:
+                raise ConnectionResetError("client went away") from None
+            raise
         finally:
+            del self._waiting[waiting]
+            self._clients_gone.discard(waiting)
             future.cancel()  # no-op once answered
+
+    async def _watch_clients(self) -> None:
+        """One timer for every waiting request, not one each."""
+        while True:
+            await asyncio.sleep(self.config.gone_poll_s)
+            for waiting, gone in list(self._waiting.items()):
+                if gone():
+                    self._clients_gone.add(waiting)
+                    waiting.cancel()
 
     async def _health(self, req: Request, gone) -> dict:
         down = [f"replica {k}: {replica.down}" for k, replica in
