@@ -172,21 +172,44 @@ class Engine:
     def score_request(self, req: ScoreRequest) -> ScoreResult:
         return self.submit(req).result()
 
-    def submit(self, req: ScoreRequest) -> concurrent.futures.Future:
+    def submit(self, req: ScoreRequest, pieces: list[list[int]] | None = None
+               ) -> concurrent.futures.Future:
         """Queues the request; its future gives a ScoreResult, or raises ScoreError.
-        Cancelling the future drops its waiting work. Bad requests raise here."""
-        job, units, key = self.prepare(req)
+        Cancelling the future drops its waiting work. Bad requests raise here. `pieces`: a
+        text request's query and items tokenized already (submit_all)."""
+        job, units, key = self.prepare(req, pieces)
         if units:
             self.schedulers[self.router.pick(key)].submit(job, units)
         return job.future
 
-    def prepare(self, req: ScoreRequest) -> tuple[Job, list[Unit], bytes | None]:
-        """The request checked, tokenized and packed: its job, the job's units of work (none
-        if it has no items: the job is answered), and the key that routes them. Bad requests
-        raise here."""
-        labels = self._labels(req)
+    def submit_all(self, reqs: list[ScoreRequest]) -> list[concurrent.futures.Future]:
+        """`submit` of each, the texts of all tokenized in one call of the tokenizer's batch
+        encoding (the interpreter lock released while it runs); a bad request's future
+        raises its ScoreError (or a bug's exception), the others' go on."""
+        texts = [text for req in reqs if req.is_text for text in (req.query, *req.items)]
         with jax.profiler.TraceAnnotation("tokenize"):
-            query, items = self._tokenize(req)
+            tokens = iter(self.tokenizer.encode_pieces(texts) if texts else [])
+        futures = []
+        for req in reqs:
+            pieces = [next(tokens) for _ in range(1 + len(req.items))] if req.is_text else None
+            try:
+                futures.append(self.submit(req, pieces))
+            except Exception as e:  # this request's alone: the others go on
+                futures.append(concurrent.futures.Future())
+                futures[-1].set_exception(e)
+        return futures
+
+    def prepare(self, req: ScoreRequest, pieces: list[list[int]] | None = None
+                ) -> tuple[Job, list[Unit], bytes | None]:
+        """The request checked, tokenized (unless `pieces` are its text's tokens) and packed:
+        its job, the job's units of work (none if it has no items: the job is answered), and
+        the key that routes them. Bad requests raise here."""
+        labels = self._labels(req)
+        if pieces is not None:
+            query, *items = pieces
+        else:
+            with jax.profiler.TraceAnnotation("tokenize"):
+                query, items = self._tokenize(req)
         parts = self._sequences(req, query, items) if items else []
         kind = ("label_softmax" if req.apply_softmax else
                 "logits" if self.cfg.is_classifier or req.raw_logits else "vocab_probs")

@@ -1,8 +1,10 @@
 """Routes of the scoring server, on plain asyncio streams; the model runs in the engine's
 scheduler thread, which batches concurrent requests."""
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -39,6 +41,7 @@ from server.http import (
 )
 from server.metrics import ServerMetrics, prometheus_text
 from server.profiler import Profiler
+from server.text_batches import TextBatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,7 @@ class ScoreServer:
         self._waiting: dict[asyncio.Future, Callable[[], bool]] = {}  # results, client gone?
         self._clients_gone: set[asyncio.Future] = set()
         self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
+        self._text_batches = TextBatches(engine.submit_all)
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
                         "/health": ("GET", self._health),
@@ -264,28 +268,34 @@ class ScoreServer:
         with jax.profiler.TraceAnnotation("parse_request"):
             score_req = parse_score_request(parse_json(req.body),
                                             not self.engine.cfg.is_classifier)
-        result = await self._queued(self.engine.submit, score_req, score_req.is_text, gone)
+        submit = (functools.partial(self._text_batches.submit, score_req) if score_req.is_text
+                  else functools.partial(self.engine.submit, score_req))
+        result = await self._queued(submit, gone)
         return Answer(200, score_response(score_req, result, self.config.model_name), [],
                       len(result.scores))
 
     async def _rerank(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
             rerank_req = parse_rerank_request(parse_json(req.body))
-        result = await self._queued(self.engine.submit_rerank, rerank_req, True, gone)
+        result = await self._queued(functools.partial(
+            asyncio.get_running_loop().run_in_executor, None, self.engine.submit_rerank,
+            rerank_req), gone)
         return Answer(200, rerank_response(rerank_req, result, self.config.model_name), [],
                       len(rerank_req.documents))
 
-    async def _queued(self, submit, request, tokenizes: bool, gone):
-        """`submit(request)`'s result, unless the server is saturated (503) or the client goes
-        away first (its work is dropped). `tokenizes`: submit runs off the event loop (the
-        tokenizer releases the interpreter lock); token ids are checked and packed here,
-        cheaper than a thread's hop and back."""
+    async def _queued(self, submit, gone):
+        """The result of the engine's future that `submit()` gives (or an awaitable of it),
+        unless the server is saturated (503) or the client goes away first (its work is
+        dropped). Text is tokenized off the event loop (the tokenizer releases the
+        interpreter lock); token ids are checked and packed on it, cheaper than a thread's
+        hop and back."""
         if self._pending >= self.config.max_pending:
             raise ScoreError("server is saturated, retry later", status=503)
         self._pending += 1
         try:
-            future = (await asyncio.get_running_loop().run_in_executor(None, submit, request)
-                      if tokenizes else submit(request))
+            future = submit()
+            if not isinstance(future, concurrent.futures.Future):
+                future = await future
             return await self._result_unless_gone(future, gone)
         finally:
             self._pending -= 1

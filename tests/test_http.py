@@ -169,7 +169,7 @@ def test_metrics_count_requests_items_and_latency(engines, caplog):
 
 
 def test_engine_bug_is_500_and_only_that_request_fails(engines, monkeypatch):
-    def broken(req):
+    def broken(req, pieces=None):
         raise RuntimeError("injected failure")
     with serving(engines["llama"]) as p:
         monkeypatch.setattr(engines["llama"], "submit", broken)
