@@ -353,12 +353,13 @@ class FrontEnd:
         """The front end at `address` (replacing the one under `key`) hears of each engine
         process lost and back, and now of those down."""
         with self._lock:
+            replaced = self._followers.get(key)
             self._followers[key] = address
             down = [r for r in self._by_index.values() if not r.alive]
+        if replaced is not None:
+            self._relay.forget(replaced)
         for replica in down:
-            self._relay.send(address, Lost(replica.replica, f"replica {replica.replica} is "
-                                           f"down", replica.restarting, replica.lost,
-                                           replica.last_status))
+            self._relay.send(address, _lost(replica, f"replica {replica.replica} is down"))
 
     def _relay_all(self, message) -> None:
         with self._lock:
@@ -387,8 +388,7 @@ class FrontEnd:
                         del self._ready[replica.replica]
                         replica.restarting = True
                 if not replica.closing:
-                    self._relay_all(Lost(replica.replica, error.message, again, replica.lost,
-                                         replica.last_status))
+                    self._relay_all(_lost(replica, error.message))
                 if again:
                     replica.process = restart(replica.replica)
                     running[replica.process.sentinel] = replica
@@ -496,6 +496,10 @@ class FrontEnd:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def _lost(replica: ReplicaProcess, message: str) -> Lost:
+    return Lost(replica.replica, message, replica.restarting, replica.lost, replica.last_status)
+
+
 def _settle(answer: concurrent.futures.Future, how) -> None:
     try:
         how(answer)
@@ -506,7 +510,8 @@ def _settle(answer: concurrent.futures.Future, how) -> None:
 # The engine process's side.
 
 class _Outbox:
-    """Results to front ends, a PUSH socket each, from any thread."""
+    """Messages to front ends (an engine's results, the watching front end's news of the
+    engines), a PUSH socket each, from any thread."""
 
     def __init__(self, context: zmq.Context):
         self.context, self._sockets, self._lock = context, {}, threading.Lock()
@@ -523,6 +528,13 @@ class _Outbox:
                 socket.send(data, zmq.NOBLOCK)
             except zmq.Again:  # a front end gone, its queue full: nobody waits for these
                 pass
+
+    def forget(self, front: str) -> None:
+        """A front end gone: its socket closed, what was queued for it dropped."""
+        with self._lock:
+            socket = self._sockets.pop(front, None)
+        if socket is not None:
+            socket.close(linger=0)
 
     def close(self) -> None:
         with self._lock:
