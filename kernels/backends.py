@@ -31,7 +31,7 @@ class KernelSet(NamedTuple):
     project: Callable | None = None  # (x, weights, biases, *, out_dtype, rope, name) -> x @
     #                                  each weight (+ its bias), the first normed and rotated
     #                                  with `rope`; None: the model's XLA dots
-    gated_up: Callable | None = None  # (x, w_gate, w_up, *, name, activation) ->
+    gated_up: Callable | None = None  # (x, w_gate, w_up, *, name, activation, hadamard) ->
     #                                   activation(x @ w_gate) * (x @ w_up); None: the
     #                                   model's XLA ops
     mlp: Callable | None = None  # (x, w_gate, w_up, w_down, *, layer, x_norm, residual,

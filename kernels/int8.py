@@ -55,6 +55,33 @@ def dequantized(acc: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
     return acc.astype(jnp.float32) * x_scale * w.astype(jnp.float32)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester's n x n Hadamard matrix, entries +-1 (H = H^T, H H = n I); n a power of 2."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix's size must be a power of 2, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard_blocks(x: jax.Array, block: int, axis: int) -> jax.Array:
+    """x times `hadamard(block)` in each run of `block` features, in x's dtype: `axis` is the
+    features' (1 token-major, 0 feature-major). Before an int8 quantization it spreads a
+    token's outlier features over their block, whose largest magnitude then sets a finer
+    scale (an int8 model's down projection input: model.quantize)."""
+    n = x.shape[axis]
+    if n % block:
+        raise ValueError(f"x of shape {x.shape} has {n} features along axis {axis}, not a "
+                         f"multiple of the Hadamard block {block}")
+    h = jnp.asarray(hadamard(block), x.dtype)  # +-1: exact in any float dtype
+    blocks = (x.shape[0], n // block, block) if axis == 1 else (n // block, block, x.shape[1])
+    spec = "tgb,bc->tgc" if axis == 1 else "gbt,bc->gct"
+    y = jnp.einsum(spec, x.reshape(blocks), h, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
 def int8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     """Token-major x [T, in] @ a quantized weight (values [in, out] int8, scale [out]), float32:
     x quantized per token, the product accumulated in int32."""

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.int8 import dequantized, int8_matmul, quantize_tokens
+from kernels.int8 import dequantized, hadamard_blocks, int8_matmul, quantize_tokens
 from kernels.quantize_kernel import quantized_rows
 from kernels.rms_norm import rms_norm
 from kernels.rope_kernel import HeadRope, lane_group, norm_rope_lanes, norm_rope_reference
@@ -200,6 +200,7 @@ class _Layout:
     activation: str = "silu"  # of a gated call's gate
     int8: bool = False  # int8 weights: x quantized per token; their scales [n, out] last
     x_quantized: bool = False  # x comes int8, its per-token scales [T, 1] right after it
+    hadamard: int = 0  # a gated call's product times hadamard(n) in each block of n columns
 
     @property
     def weights(self) -> int:
@@ -284,6 +285,8 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
     outs = (finish_gated(products, dtype, layout.activation) if layout.gated
             else _finish_each(products,
                               [b[:, columns] for b in b_refs] or [None] * len(products), dtype))
+    if layout.hadamard:
+        outs = (_spread(outs[0], layout.hadamard),)
     if residual:
         outs = (added(residual[0][rows, columns], outs[0]),)
     for i, (out, y) in enumerate(zip(out_refs, outs)):
@@ -292,6 +295,20 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
                            rope=layout.rope)
         else:
             _store(out, rows, columns.start, y)
+
+
+def _spread(y, n: int):
+    """y [rows, columns] times hadamard(n) in each block of n columns, as
+    kernels.int8.hadamard_blocks: a dot of each block on the MXU, with the +-1 matrix made
+    from iotas (H[i, j] = -1 where i & j has an odd count of bits)."""
+    i, j = (jax.lax.broadcasted_iota(jnp.int32, (n, n), axis) for axis in (0, 1))
+    both, odd = i & j, jnp.zeros((n, n), jnp.int32)
+    for bit in range(n.bit_length() - 1):
+        odd = odd ^ ((both >> bit) & 1)
+    h = (1 - 2 * odd).astype(jnp.float32).astype(y.dtype)
+    blocks = [jnp.dot(y[:, k:k + n], h, preferred_element_type=jnp.float32)
+              for k in range(0, y.shape[1], n)]
+    return jnp.concatenate(blocks, axis=1).astype(y.dtype)
 
 
 def _store(out, rows, first_lane: int, y) -> None:
@@ -491,7 +508,7 @@ def _groups(weights: tuple, layer) -> tuple:
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
           pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None,
-          activation: str = "silu", scales: tuple = ()):
+          activation: str = "silu", scales: tuple = (), hadamard: int = 0):
     check_projection_shapes(x, weights, biases, layer, scales)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
@@ -517,10 +534,13 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         x_norm.check(depth, blocks, width)
     slots = 1 if blocks.all_columns(width) else 2
     chunk = first_chunk_columns(width, blocks)
+    if hadamard and chunk % hadamard:
+        raise ValueError(f"Hadamard blocks of {hadamard} columns must divide the products' "
+                         f"chunks of {chunk} ({blocks})")
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps, activation,
-                     bool(scales), bool(x_scale))
+                     bool(scales), bool(x_scale), hadamard)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
@@ -764,12 +784,14 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
 
 def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
              scales: tuple = (), name: str = "gate_up", blocks: ProjectionBlocks | None = None,
-             interpret=False, activation: str = "silu"):
+             interpret=False, activation: str = "silu", hadamard: int = 0):
     """activation(x @ w_gate) * (x @ w_up), in x's dtype (SiLU, or Gemma's GeGLU): the MLP's
-    input to its down projection. `layer`, `x_norm` and `scales` as in `project`."""
+    input to its down projection; with `hadamard` n, then times hadamard(n) in each block of
+    n columns (an int8 model's: kernels.int8.hadamard_blocks). `layer`, `x_norm` and
+    `scales` as in `project`."""
     (out,) = _call(x, (w_gate, w_up), (), layer, gated=True, out_dtype=x.dtype, name=name,
                    blocks=blocks, rope=None, interpret=interpret, x_norm=x_norm,
-                   activation=activation, scales=tuple(scales))
+                   activation=activation, scales=tuple(scales), hadamard=hadamard)
     return out
 
 
@@ -814,13 +836,14 @@ def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:
 
 def gated_up_reference(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
                        scales: tuple = (), name: str = "gate_up", blocks=None,
-                       interpret=False, activation: str = "silu"):
+                       interpret=False, activation: str = "silu", hadamard: int = 0):
     """Plain JAX, the same contract."""
     del name, blocks, interpret
     check_projection_shapes(x, (w_gate, w_up), (), layer, tuple(scales))
     x = _normed_reference(x, x_norm)
     products = _products_reference(x, _at_layer((w_gate, w_up), layer), tuple(scales))
-    return finish_gated(products, x.dtype, activation)[0]
+    out = finish_gated(products, x.dtype, activation)[0]
+    return hadamard_blocks(out, hadamard, axis=1) if hadamard else out
 
 
 def _products_reference(x, weights: tuple, scales: tuple) -> list:

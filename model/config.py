@@ -55,6 +55,8 @@ class ModelConfig:
     rope_factor: float = 1.0       # linear RoPE scaling (positions / factor)
     quantization: str = ""         # "int8": W8A8, the layers' projections and MLP in int8
     #                                (kernels.int8); "": none
+    down_hadamard: int = 0         # down's input times hadamard(n) in each run of n features
+    #                                (kernels.int8.hadamard_blocks); 0: none
 
     def __post_init__(self):
         if self.family not in _FAMILIES.values():
@@ -80,6 +82,10 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")
+        if self.down_hadamard < 0 or self.down_hadamard & (self.down_hadamard - 1) or (
+                self.down_hadamard and self.intermediate_size % self.down_hadamard):
+            raise ValueError(f"down_hadamard must be 0 or a power of 2 dividing intermediate_size"
+                             f"={self.intermediate_size}, got {self.down_hadamard}")
         if self.rope_factor <= 0:
             raise ValueError(f"rope_factor must be positive, got {self.rope_factor}")
 
@@ -105,6 +111,26 @@ class ModelConfig:
     def output_size(self) -> int:
         """Rows of the output head: the vocabulary, or the classes of a classifier."""
         return self.num_labels if self.is_classifier else self.vocab_size
+
+
+HADAMARD_BLOCK = 128  # features: a TPU lane tile
+
+
+def rotatable(cfg: ModelConfig) -> bool:
+    """Whether the residual stream can be rotated (model.rotation): its norms all before the
+    sublayers (not Gemma 2's and 3's sandwich norms, which a rotation does not commute with)."""
+    return not cfg.sandwich_norms
+
+
+def int8_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` quantized at load (model.quantize): W8A8; where the residual stream is rotated,
+    a head of its own (a tied embedding's rotated copy: model.rotation); down's input times
+    Hadamard blocks of the largest power of 2 up to HADAMARD_BLOCK features that divides the
+    MLP's width."""
+    block = math.gcd(cfg.intermediate_size, HADAMARD_BLOCK)
+    return dataclasses.replace(
+        cfg, quantization="int8", down_hadamard=block if block > 1 else 0,
+        tie_word_embeddings=cfg.tie_word_embeddings and not rotatable(cfg))
 
 
 def parse_architecture(architectures) -> tuple[str, bool]:

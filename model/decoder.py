@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention_plan import BlockSizes, plan_attention
-from kernels.int8 import SCALE_SUFFIX, dequantized, int8_matmul, quantize_tokens
+from kernels.int8 import (
+    SCALE_SUFFIX,
+    dequantized,
+    hadamard_blocks,
+    int8_matmul,
+    quantize_tokens,
+)
 from kernels.backends import TPU_BACKENDS, KernelSet, select_kernels
 from kernels.mlp_kernel import mlp_kernel_applies
 from kernels.ragged_paged_attention import page_blocks, written_pages
@@ -333,14 +339,17 @@ def _heads_feature_major(y, bias, norm, cos, sin, *, head_dim: int, eps: float):
 
 
 def _mlp(activation: Callable, project: Project, gated_up: Callable | None, h,
-         shards: ShardPlan, residual):
+         shards: ShardPlan, residual, spread: Callable | None = None):
     """`residual` plus the MLP of h (None: the MLP alone). `gated_up`: h -> activation(h @
-    w_gate) * (h @ w_up) in one kernel; None: XLA's ops, with `activation` (of ACTIVATIONS)."""
+    w_gate) * (h @ w_up) in one kernel; None: XLA's ops, with `activation` (of ACTIVATIONS).
+    `spread`: what down's input goes through first (an int8 model's Hadamard blocks)."""
     if gated_up is None:
         gate, up = project(h, (("w_gate", None), ("w_up", None)), "gate_up")
         h = activation(gate.astype(jnp.float32)).astype(up.dtype) * up
     else:
         h = gated_up(h)
+    if spread is not None:
+        h = spread(h)
     return project(h, (("w_down", None),), "project_down", shards, residual=residual)[0]
 
 
@@ -366,7 +375,7 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
     projection's row-split partial sums are all-reduced before its residual add); not int8's
     (then the projection kernels' gate and up, and down)."""
     if (kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms
-            or cfg.quantization):
+            or cfg.quantization or cfg.down_hadamard):
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
@@ -446,11 +455,15 @@ def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict,
     """The MLP of x's norm (on the gate and up kernel where the backend has it), plus
     `residual` (None: the MLP alone)."""
     h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
-    gated_up = kernels.gated_up and functools.partial(
-        kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-        x_norm=h_norm, scales=_scales(lp, ("w_gate", "w_up")), name="gate_up",
-        activation=cfg.activation)
-    return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual)
+    if kernels.gated_up is not None:  # down's Hadamard blocks in the kernel too
+        gated_up = functools.partial(
+            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
+            x_norm=h_norm, scales=_scales(lp, ("w_gate", "w_up")), name="gate_up",
+            activation=cfg.activation, hadamard=cfg.down_hadamard)
+        return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual)
+    spread = functools.partial(hadamard_blocks, block=cfg.down_hadamard,
+                               axis=0 if feature_major else 1) if cfg.down_hadamard else None
+    return _mlp(ACTIVATIONS[cfg.activation], project, None, h, shards, residual, spread)
 
 
 def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, lp: dict,

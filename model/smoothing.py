@@ -1,7 +1,8 @@
-"""SmoothQuant for W8A8 (`--quantization int8`): a float checkpoint's activations have outlier
-channels that set each token's int8 scale and leave the others a few levels; each projection's
-input channel j is divided by a factor s_j and its weight row multiplied by it, so that the
-float model computes the same and per-channel int8 weights take the outliers instead.
+"""SmoothQuant for W8A8 where the residual stream cannot be rotated (model.quantize): a float
+checkpoint's activations have outlier channels that set each token's int8 scale and leave the
+others a few levels; each projection's input channel j is divided by a factor s_j and its
+weight row multiplied by it, so that the float model computes the same and per-channel int8
+weights take the outliers instead.
 
 s_j = max|X_j| ** ALPHA / max|W_j| ** (1 - ALPHA) (SmoothQuant's; max|X_j| measured by a forward
 over model.calibration_text), folded where the input is made: into the norm before q, k, v and
@@ -9,7 +10,6 @@ before gate and up; into v's output columns before o (one factor a KV head's cha
 its query heads share); into up's columns before down (the activation multiplies up's
 product, which stays linear in it).
 """
-import dataclasses
 import functools
 
 import jax
@@ -21,20 +21,11 @@ from model.batch import ForwardBatch
 from model.calibration_text import CALIBRATION_TEXT
 from model.config import ModelConfig
 from model.decoder import empty_cache, hidden_states, model_kernels
-from model.params import quantized
 from model.tokenizer import TextTokenizer
 
 ALPHA = 0.5
 SEQUENCES, SEQUENCE_TOKENS, PAGE_SIZE = 8, 256, 16
 INPUTS = ("wq", "wo", "w_gate", "w_down")  # the dots whose inputs differ within a layer
-
-
-def int8_model(cfg: ModelConfig, params: dict, tokenizer: TextTokenizer
-               ) -> tuple[ModelConfig, dict]:
-    """A float model smoothed and its layers' linears quantized (model.params.quantized)."""
-    absmax = activation_absmax(cfg, params, calibration_tokens(tokenizer))
-    smooth = smoothed(cfg, params, smoothing_factors(cfg, params, absmax))
-    return dataclasses.replace(cfg, quantization="int8"), quantized(smooth)
 
 
 def calibration_tokens(tokenizer: TextTokenizer) -> np.ndarray:

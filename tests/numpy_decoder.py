@@ -10,11 +10,15 @@ from safetensors.numpy import load_file
 
 
 class NumpyDecoder:
-    def __init__(self, model_dir: str, int8: bool = False, smoothing: dict | None = None):
+    def __init__(self, model_dir: str, int8: bool = False, smoothing: dict | None = None,
+                 rotation: np.ndarray | None = None, hadamard: int = 0):
         """`int8`: the layers' linears as W8A8 (weights per output channel and activations per
         token, symmetric, rounded to nearest; an all-zero row's scale 1). `smoothing`: the
-        factors of model.smoothing.smoothing_factors folded into the weights first."""
-        self.int8 = int8
+        factors of model.smoothing.smoothing_factors folded into the weights first.
+        `rotation`: the residual stream in the basis of this orthogonal [H, H] (QuaRot's: the
+        norms before the sublayers folded into the weights that read it); `hadamard`: down's
+        input times Sylvester's +-1 matrix of this size in each block of as many features."""
+        self.int8, self.rotation, self.hadamard = int8, rotation, hadamard
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
         self.t = {}
@@ -31,6 +35,40 @@ class NumpyDecoder:
         self.windows = [self._window(i) for i in range(c["num_hidden_layers"])]
         if smoothing is not None:
             self._smooth(smoothing)
+        if rotation is not None:
+            self._rotate(rotation)
+        if hadamard:
+            self._fold_hadamard(hadamard)
+
+    def _rotate(self, q):
+        """HF's y = x W^T: a reader's W becomes W diag(norm) Q, a writer's Q^T W (o's bias
+        b Q); the norms before the sublayers become 1."""
+        for layer in range(self.cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}."
+            for norm, readers in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
+                                                       "self_attn.v_proj")),
+                                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))):
+                w = self.t[p + norm + ".weight"]
+                scale = 1 + w if self.gemma else w
+                for name in readers:
+                    self.t[p + name + ".weight"] = (self.t[p + name + ".weight"] * scale) @ q
+                self.t[p + norm + ".weight"] = np.zeros_like(w) if self.gemma else np.ones_like(w)
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                self.t[p + name + ".weight"] = q.T @ self.t[p + name + ".weight"]
+            if p + "self_attn.o_proj.bias" in self.t:
+                self.t[p + "self_attn.o_proj.bias"] = self.t[p + "self_attn.o_proj.bias"] @ q
+
+    def _blocks(self, n: int) -> np.ndarray:
+        h = np.ones((1, 1))
+        while h.shape[0] < self.hadamard:
+            h = np.block([[h, h], [h, -h]])
+        return np.kron(np.eye(n // self.hadamard), h)
+
+    def _fold_hadamard(self, block: int):
+        for layer in range(self.cfg["num_hidden_layers"]):
+            name = f"model.layers.{layer}.mlp.down_proj.weight"
+            w = self.t[name]
+            self.t[name] = w @ self._blocks(w.shape[1]) / block
 
     def _smooth(self, factors: dict):
         """SmoothQuant's folding, in HF's layout ([out, in] weights, norms 1 + w in Gemma)."""
@@ -118,6 +156,8 @@ class NumpyDecoder:
         x = self.t["model.embed_tokens.weight"][prompt]
         if self.gemma:
             x = x * np.sqrt(self.cfg["hidden_size"])
+        if self.rotation is not None:
+            x = x @ self.rotation
         for layer in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{layer}."
             n = lambda y, name: self._norm(y, self.t[p + name + ".weight"])  # noqa: E731
@@ -125,9 +165,13 @@ class NumpyDecoder:
             x = x + (n(a, "post_attention_layernorm") if self.sandwich else a)
             h = n(x, "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm")
             gate, up = self._lin(h, p + "mlp.gate_proj"), self._lin(h, p + "mlp.up_proj")
-            m = self._lin(self._act(gate) * up, p + "mlp.down_proj")
+            inner = self._act(gate) * up
+            if self.hadamard:
+                inner = inner @ self._blocks(inner.shape[1])
+            m = self._lin(inner, p + "mlp.down_proj")
             x = x + (n(m, "post_feedforward_layernorm") if self.sandwich else m)
-        h = self._norm(x[-1], self.t["model.norm.weight"])
+        last = x[-1] if self.rotation is None else x[-1] @ self.rotation.T
+        h = self._norm(last, self.t["model.norm.weight"])
         head = self.t.get("score.weight", self.t.get("lm_head.weight", self.t["model.embed_tokens.weight"]))
         z = head @ h
         if cap := self.cfg.get("final_logit_softcapping"):

@@ -561,3 +561,32 @@ def test_gemmas_geglu_in_the_gate_and_up_kernel(dtype):
         lambda x, g, u: gated_up(x, g, u, activation="gelu_tanh"), sds((512, 1024), dtype),
         sds((1024, 2048), dtype), sds((1024, 2048), dtype))
     assert mosaic_kernels(compiled) == ["gate_up"]
+
+
+@pytest.mark.parametrize("blocks", [None, ProjectionBlocks(16, 256)])
+def test_down_inputs_hadamard_blocks_in_the_gate_and_up_kernel(blocks):
+    """An int8 model's gate and up (model.quantize): the product times hadamard(128)
+    in each block of 128 columns, the +-1 matrix made in the kernel: the reference's bits in
+    the interpreter, not the product without the blocks; compiled for v6e at Qwen3-0.6B's
+    gate and up (the MXU's int8 dots and the blocks' bfloat16 ones); chunks the blocks do
+    not divide are refused."""
+    from kernels.int8 import quantize_weight
+    x, w = _arrays(jnp.bfloat16, 9, (32, 128), (2, 128, 512))
+    pairs = [quantize_weight(w[i], axis=0) for i in range(2)]
+    (g8, gs), (u8, us) = ((jnp.asarray(v), jnp.asarray(s)) for v, s in pairs)
+    got = gated_up(x, g8, u8, scales=(gs, us), hadamard=128, blocks=blocks,
+                   interpret=pltpu.InterpretParams(detect_races=True))
+    want = gated_up_reference(x, g8, u8, scales=(gs, us), hadamard=128)
+    np.testing.assert_array_equal(_f32(got), _f32(want))
+    plain = _f32(gated_up_reference(x, g8, u8, scales=(gs, us)))
+    assert np.abs(_f32(want) - plain).max() > np.abs(plain).max()
+    with pytest.raises(ValueError, match="Hadamard blocks of 128 columns must divide"):
+        gated_up(x, g8[:, :64], u8[:, :64], scales=(gs[:64], us[:64]), hadamard=128,
+                 interpret=True)
+    cfg, sds = SIZED_MODELS["Qwen3-0.6B"], jax.ShapeDtypeStruct
+    depth, width, _, _ = decoder.projection_shapes(cfg)["gate_up"]
+    weight, scale = sds((depth, width), jnp.int8), sds((width,), jnp.float32)
+    compiled = compile_for_v6e(
+        lambda x, g, u, gs, us: gated_up(x, g, u, scales=(gs, us), hadamard=128),
+        sds((2048, depth), jnp.bfloat16), weight, weight, scale, scale)
+    assert mosaic_kernels(compiled) == ["gate_up"]

@@ -8,7 +8,6 @@ compiles any of them); so the embedded model compiles one bucket of each kind of
 operand shapes, and every other configuration one bucket, or the largest where memory is
 the question.
 """
-import dataclasses
 import functools
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from model.decoder import norms_in_kernels, projection_shapes
+from model.config import int8_config
 from model.params import param_dtypes, param_shapes
 from profiling.v6e.compile import (
     SIZED_MODELS,
@@ -113,7 +113,7 @@ def test_an_int8_models_program_compiles_for_v6e():
     weights read at the layer, x quantized in the kernels after the input norms they apply
     (no MLP kernel: not int8's), the pool updated in place; its arguments the pool, the batch
     and the weights at a byte each (bfloat16 embeddings and norms, float32 scales)."""
-    cfg = dataclasses.replace(SIZED_MODELS["Qwen3-0.6B"], quantization="int8")
+    cfg = int8_config(SIZED_MODELS["Qwen3-0.6B"])
     programs = server_programs(EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES)
     compiled = programs.get(programs.buckets.shape(2048))
     widths = [projection_shapes(cfg)[k][1] for k in ("project_q", "project_kv", "gate_up")]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from model.config import int8_config
 from model.params import param_dtypes, param_shapes
 from profiling.bench_forward import ITEM, ITEMS, QUERY, filled_batch, v6e_estimate
 from profiling.bench_host_work import bucket_config
@@ -48,8 +49,8 @@ def define_flags() -> None:
 
 def breakdown(model: str, bucket: int, query_len: int = QUERY, items: int = ITEMS,
               quantization: str = "") -> dict:
-    cfg = dataclasses.replace({**STUDY_MODELS, **WINDOWED_MODELS}[model],
-                              quantization=quantization)
+    cfg = {**STUDY_MODELS, **WINDOWED_MODELS}[model]
+    cfg = int8_config(cfg) if quantization else cfg
     engine_cfg = bucket_config(bucket, "bfloat16")
     entries, labels = filled_batch(engine_cfg, cfg.vocab_size, np.random.default_rng(0),
                                    query_len=query_len, items=items)
