@@ -455,15 +455,13 @@ def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict,
     """The MLP of x's norm (on the gate and up kernel where the backend has it), plus
     `residual` (None: the MLP alone)."""
     h, h_norm = _input(cfg, x, lp["mlp_norm"], norms_in.mlp, feature_major)
-    if kernels.gated_up is not None:  # down's Hadamard blocks in the kernel too
-        gated_up = functools.partial(
-            kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
-            x_norm=h_norm, scales=_scales(lp, ("w_gate", "w_up")), name="gate_up",
-            activation=cfg.activation, hadamard=cfg.down_hadamard)
-        return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual)
-    spread = functools.partial(hadamard_blocks, block=cfg.down_hadamard,
-                               axis=0 if feature_major else 1) if cfg.down_hadamard else None
-    return _mlp(ACTIVATIONS[cfg.activation], project, None, h, shards, residual, spread)
+    gated_up = kernels.gated_up and functools.partial(  # down's Hadamard blocks in it too
+        kernels.gated_up, w_gate=stacked["w_gate"], w_up=stacked["w_up"], layer=layer,
+        x_norm=h_norm, scales=_scales(lp, ("w_gate", "w_up")), name="gate_up",
+        activation=cfg.activation, hadamard=cfg.down_hadamard)
+    spread = None if gated_up or not cfg.down_hadamard else functools.partial(
+        hadamard_blocks, block=cfg.down_hadamard, axis=0 if feature_major else 1)
+    return _mlp(ACTIVATIONS[cfg.activation], project, gated_up, h, shards, residual, spread)
 
 
 def _sandwiched_sublayers(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, lp: dict,

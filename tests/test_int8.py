@@ -118,12 +118,11 @@ def test_an_int8_models_rotation_and_hadamard_blocks_keep_the_float_model(model_
     assert rotatable(cfg) == (family != "gemma2") and int8_cfg.down_hadamard == 32
     assert not int8_cfg.tie_word_embeddings or family == "gemma2"
     folded_cfg = dataclasses.replace(int8_cfg, quantization="")
+    want = _scores(Engine.local(cfg, params, tokenizer, small_config()), QUERY, ITEMS)
     if rotatable(cfg):
         params = rotated(cfg, params)
         assert np.abs(params["layers"]["attn_norm"] - 1).max() == 0
     folded = down_hadamard_folded(params, folded_cfg.down_hadamard)
-    want = _scores(Engine.local(cfg, load_model(path, "float32")[1], tokenizer, small_config()),
-                   QUERY, ITEMS)
     got = _scores(Engine.local(folded_cfg, folded, tokenizer, small_config()), QUERY, ITEMS)
     np.testing.assert_allclose(got, want, atol=2e-5)
     unfolded = _scores(Engine.local(folded_cfg, params, tokenizer, small_config()), QUERY, ITEMS)
