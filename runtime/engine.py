@@ -242,32 +242,32 @@ class Engine:
             check_token_range(req.query, self.cfg.vocab_size, "query")
             for k, item in enumerate(req.items):
                 check_token_range(item, self.cfg.vocab_size, f"items[{k}]")
-            return list(req.query), [list(i) for i in req.items]
+            return req.query, req.items
         query, *items = self.tokenizer.encode_pieces([req.query, *req.items])
         return query, items
 
-    def _prompt_check(self, n: int, k: int) -> None:
+    @staticmethod
+    def _prompt_check(n: int, k: int, limit: int) -> None:
         if n == 0:
             raise ScoreError(f"the prompt of items[{k}] is empty: nothing to score")
-        if n > self.max_prompt_tokens:
+        if n > limit:
             raise ScoreError(f"the prompt of items[{k}] has {n} tokens, more than the "
-                             f"maximum of {self.max_prompt_tokens}")
+                             f"maximum of {limit}")
 
     def _sequences(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, range]]:
         """The request's sequences, each with the items it scores. item_first: one causal
         sequence per item; otherwise multi-item sequences of the query and as many items as
         one forward and the model's context take."""
-        start = self._start_ids(req)
+        start, limit = self._start_ids(req), self.max_prompt_tokens
         if req.item_first:
             seqs = [causal_sequence(start + item + query) for item in items]
             for k, s in enumerate(seqs):
-                self._prompt_check(len(s.tokens), k)
+                self._prompt_check(len(s.tokens), k, limit)
             return [(s, range(k, k + 1)) for k, s in enumerate(seqs)]
-        head = start + query
-        for k, item in enumerate(items):
-            self._prompt_check(len(head) + len(item), k)
-        chunks = item_chunks(len(head), [len(i) for i in items], self.max_prompt_tokens,
-                             self.engine_cfg.max_rows)
+        head, lens = start + query, [len(i) for i in items]
+        for k, n in enumerate(lens):
+            self._prompt_check(len(head) + n, k, limit)
+        chunks = item_chunks(len(head), lens, limit, self.engine_cfg.max_rows)
         return [(multi_item_sequence(head, [items[k] for k in c]), c) for c in chunks]
 
 

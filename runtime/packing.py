@@ -1,5 +1,6 @@
 """Sequences of one forward pass (CONTRACT §4): multi-item packing and plain causal prompts."""
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -15,41 +16,37 @@ class Sequence:
     visible_from: np.ndarray  # [n] a(i) per token
     shared_len: int           # L: KV positions every token sees (a multi-item query)
     score_rows: np.ndarray    # [items] indices into tokens of the rows to score, one per item
-    cacheable: int = dataclasses.field(init=False)  # see `causal_prefix_len`
-    first_row: int = dataclasses.field(init=False)  # the first scored row (n if none)
+    cacheable: int            # leading tokens whose K/V are a plain causal prompt's (the prefix
+                              # cache may hold them): position i, visible from 0
+    first_row: int            # the first scored row (n if none)
 
     def __post_init__(self):
         for name in ("tokens", "positions", "visible_from", "score_rows"):
             object.__setattr__(self, name, np.asarray(getattr(self, name), np.int32))
-        object.__setattr__(self, "cacheable", causal_prefix_len(self.positions,
-                                                                self.visible_from))
-        object.__setattr__(self, "first_row", int(self.score_rows.min(
-            initial=len(self.tokens))))
-
-
-def causal_prefix_len(positions: np.ndarray, visible_from: np.ndarray) -> int:
-    """Leading tokens whose K/V are those of a plain causal prompt (the prefix cache may hold
-    them): the query of a multi-item sequence (and its first item if the query is empty)."""
-    plain = (positions == np.arange(len(positions))) & (visible_from == 0)
-    return len(plain) if plain.all() else int(plain.argmin())
 
 
 def causal_sequence(prompt: Tokens) -> Sequence:
     n = len(prompt)
-    return Sequence(prompt, np.arange(n), np.zeros(n), 0, [n - 1])
+    return Sequence(prompt, np.arange(n), np.zeros(n), 0, [n - 1], n, n - 1)
 
 
 def multi_item_sequence(query: Tokens, items: list[Tokens]) -> Sequence:
-    """query, item_1, ..., item_N in one sequence; item k attends to the query and itself."""
-    shared, lens = len(query), np.fromiter(map(len, items), np.int64, len(items))
-    ends = shared + np.cumsum(lens)
-    starts = ends - lens
-    owner = np.repeat(np.arange(len(items)), lens)  # the item of each item token
-    tokens = np.concatenate([np.asarray(t, np.int32) for t in [query, *items]])
-    within = np.arange(len(tokens) - shared) - (starts - shared)[owner]
-    return Sequence(tokens, np.concatenate([np.arange(shared), shared + within]),
-                    np.concatenate([np.zeros(shared, np.int64), starts[owner]]), shared,
-                    np.where(lens > 0, ends - 1, shared - 1))
+    """query, item_1, ..., item_N in one sequence; item k attends to the query and itself.
+    Per item in Python, per token in NumPy: a request's few items cost less as ints than as
+    arrays."""
+    shared, lens = len(query), [len(item) for item in items]
+    bounds = list(itertools.accumulate(lens, initial=shared))  # item k: [bounds[k], bounds[k+1])
+    n = bounds[-1]
+    item_start = np.repeat(np.array(bounds[:-1], np.int32), lens)  # of each item token
+    positions = np.arange(n, dtype=np.int32)
+    positions[shared:] -= item_start - shared
+    visible_from = np.zeros(n, np.int32)
+    visible_from[shared:] = item_start
+    rows = [end - 1 if size else shared - 1 for end, size in zip(bounds[1:], lens)]
+    # the query is a causal prompt; without one, so is the first item with tokens
+    cacheable = shared or next((size for size in lens if size), 0)
+    return Sequence(np.fromiter(itertools.chain(query, *items), np.int32, n), positions,
+                    visible_from, shared, rows, cacheable, min(rows, default=n))
 
 
 def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: int) -> list[range]:

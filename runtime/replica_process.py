@@ -49,6 +49,8 @@ class WireUnit(msgspec.Struct, array_like=True):
     visible_from: bytes
     score_rows: bytes
     shared_len: int
+    cacheable: int
+    first_row: int
     start: int  # the job's items it scores: [start, stop)
     stop: int
 
@@ -72,13 +74,18 @@ class Ask(msgspec.Struct, tag=True, array_like=True):
     op: str  # status, flush, check_pages or close
 
 
-class Done(msgspec.Struct, tag=True, array_like=True):
+class Done(msgspec.Struct, array_like=True):
     job: int
     start: int
     stop: int
     logits: bytes  # float64 [stop - start, labels]
     lse: bytes     # float64 [stop - start]
     prompt_tokens: int
+
+
+class Dones(msgspec.Struct, tag=True, array_like=True):
+    """A forward's results for one front end."""
+    done: list[Done]
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):
@@ -113,7 +120,7 @@ class Lost(msgspec.Struct, tag=True, array_like=True):
 
 
 _TO_ENGINE = msgspec.msgpack.Decoder(Submit | Cancel | Ask)
-_TO_FRONT = msgspec.msgpack.Decoder(Done | Failed | Reply | Ready | Lost)
+_TO_FRONT = msgspec.msgpack.Decoder(Dones | Failed | Reply | Ready | Lost)
 _ENCODE = msgspec.msgpack.Encoder()
 
 
@@ -197,7 +204,8 @@ class ReplicaProcess:
         job_id = self.front.track(job, units, self)
         wire = [WireUnit(u.seq.tokens.tobytes(), u.seq.positions.tobytes(),
                          u.seq.visible_from.tobytes(), u.seq.score_rows.tobytes(),
-                         u.seq.shared_len, u.items.start, u.items.stop) for u in units]
+                         u.seq.shared_len, u.seq.cacheable, u.seq.first_row, u.items.start,
+                         u.items.stop) for u in units]
         try:
             self.send(Submit(self.front.address, job_id, job.labels, job.kind, wire))
         except ScoreError as e:
@@ -449,8 +457,9 @@ class FrontEnd:
             except zmq.ContextTerminated:
                 self._inbox.close(linger=0)
                 return
-            if isinstance(message, Done):
-                self._done(message)
+            if isinstance(message, Dones):
+                for done in message.done:
+                    self._done(done)
             elif isinstance(message, Failed):
                 tracked = self._jobs.get(message.job)
                 if tracked is not None:
@@ -542,21 +551,37 @@ class _Outbox:
                 socket.close(linger=1000)
 
 
+class _Results:
+    """A forward's results, held on the scheduler's thread as its units are answered, then
+    sent as one message a front end (Scheduler's `answered`)."""
+
+    def __init__(self, outbox: _Outbox):
+        self._outbox, self._held = outbox, {}
+
+    def add(self, front: str, done: Done) -> None:
+        self._held.setdefault(front, []).append(done)
+
+    def send(self) -> None:
+        held, self._held = self._held, {}
+        for front, done in held.items():
+            self._outbox.send(front, Dones(done))
+
+
 class _RemoteJob:
     """A front end's Job as this process's scheduler sees it: what it asks of a Job, its
-    units' results sent back."""
+    units' results sent back (`results`; a failure at once, by `outbox`)."""
 
-    def __init__(self, message: Submit, outbox: _Outbox, forget):
+    def __init__(self, message: Submit, results: _Results, outbox: _Outbox, forget):
         self.front, self.id, self.labels, self.kind = (message.front, message.job,
                                                        message.labels, message.kind)
         self.with_lse = message.kind == "vocab_probs"
-        self._outbox, self._forget, self._pending = outbox, forget, len(message.units)
-        self.active = True
+        self._results, self._outbox, self._forget = results, outbox, forget
+        self._pending, self.active = len(message.units), True
 
     def unit_done(self, items: range, logits: np.ndarray, lse: np.ndarray,
                   prompt_tokens: int) -> None:
         rows = np.ascontiguousarray(logits[:, :len(self.labels)], np.float64)
-        self._outbox.send(self.front, Done(self.id, items.start, items.stop, rows.tobytes(),
+        self._results.add(self.front, Done(self.id, items.start, items.stop, rows.tobytes(),
                                            np.ascontiguousarray(lse, np.float64).tobytes(),
                                            prompt_tokens))
         self._pending -= 1
@@ -581,8 +606,9 @@ def engine_process_main(spec: ReplicaSpec) -> None:
         jax.config.update(name, value)
     context = zmq.Context()
     outbox = _Outbox(context)
+    results = _Results(outbox)
     try:
-        scheduler, dtype = _make_replica(spec)
+        scheduler, dtype = _make_replica(spec, results.send)
     except Exception as e:  # the front end says why and stops
         logging.exception("replica %d could not start", spec.replica)
         outbox.send(spec.front, Ready(spec.replica, error=f"replica {spec.replica}: "
@@ -594,7 +620,7 @@ def engine_process_main(spec: ReplicaSpec) -> None:
     gc.freeze()  # what start-up made (JAX's, the model's objects) is never scanned again
     outbox.send(spec.front, Ready(spec.replica, dtype, scheduler.status()))
     try:
-        _serve(scheduler, inbox, outbox)
+        _serve(scheduler, inbox, outbox, results)
     finally:
         scheduler.close()
         inbox.close(linger=0)
@@ -619,7 +645,7 @@ def _see_own_devices(replica: int, engine_cfg: EngineConfig) -> None:
                           TPU_MESH_CONTROLLER_PORT=str(port))
 
 
-def _make_replica(spec: ReplicaSpec) -> tuple[Scheduler, str]:
+def _make_replica(spec: ReplicaSpec, answered) -> tuple[Scheduler, str]:
     cfg = spec.engine_cfg
     jax.config.update("jax_num_cpu_devices", cfg.tp_size * cfg.dp_size)
     devices = jax.devices()
@@ -629,11 +655,12 @@ def _make_replica(spec: ReplicaSpec) -> tuple[Scheduler, str]:
         group = dataclasses.replace(cfg, dp_size=1).device_groups(devices)[0]
     cfg = cfg.resolve_dtype(spec.model_path, devices[0].platform)
     model, params, _ = load_model(spec.model_path, cfg.dtype, cfg.quantization)
-    scheduler = local_replicas(model, params, cfg, [group], spec.runner_type)[0]
+    scheduler = local_replicas(model, params, cfg, [group], spec.runner_type,
+                               answered=answered)[0]
     return scheduler, cfg.dtype
 
 
-def _serve(scheduler: Scheduler, inbox, outbox: _Outbox) -> None:
+def _serve(scheduler: Scheduler, inbox, outbox: _Outbox, results: _Results) -> None:
     jobs: dict[tuple[str, int], _RemoteJob] = {}
     forget = lambda job: jobs.pop((job.front, job.id), None)  # noqa: E731
     parent = multiprocessing.parent_process()
@@ -647,11 +674,13 @@ def _serve(scheduler: Scheduler, inbox, outbox: _Outbox) -> None:
             continue
         message = _TO_ENGINE.decode(inbox.recv())
         if isinstance(message, Submit):
-            job = jobs[message.front, message.job] = _RemoteJob(message, outbox, forget)
+            job = jobs[message.front, message.job] = _RemoteJob(message, results, outbox,
+                                                                forget)
             units = [Unit(job, Sequence(
                 np.frombuffer(u.tokens, np.int32), np.frombuffer(u.positions, np.int32),
                 np.frombuffer(u.visible_from, np.int32), u.shared_len,
-                np.frombuffer(u.score_rows, np.int32)), range(u.start, u.stop))
+                np.frombuffer(u.score_rows, np.int32), u.cacheable, u.first_row),
+                range(u.start, u.stop))
                 for u in message.units]
             try:
                 scheduler.submit(job, units)

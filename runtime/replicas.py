@@ -1,5 +1,6 @@
 """Replicas in this process: a runner and its scheduler on each device group."""
 import functools
+from typing import Callable
 
 import jax
 from absl import logging
@@ -15,8 +16,10 @@ from runtime.scheduler import Scheduler
 
 
 def local_replicas(cfg: ModelConfig, params: dict, engine_cfg: EngineConfig, groups: list,
-                   runner_type=ModelRunner, publish=None) -> list[Scheduler]:
-    """A runner and its scheduler on each device group, warmed up if the config says so."""
+                   runner_type=ModelRunner, publish=None,
+                   answered: Callable[[], None] = lambda: None) -> list[Scheduler]:
+    """A runner and its scheduler on each device group, warmed up if the config says so;
+    `answered`: as Scheduler takes it."""
     device, dtype = groups[0][0], DTYPES[engine_cfg.dtype]
     backend, buckets = engine_cfg.backend(device), engine_cfg.buckets(cfg, device)
     probe = functools.partial(server_programs, engine_cfg, cfg, groups[0])
@@ -33,4 +36,4 @@ def local_replicas(cfg: ModelConfig, params: dict, engine_cfg: EngineConfig, gro
         for runner in runners:
             runner.warm_up()
     return [Scheduler(r, engine_cfg.prefix_cache, engine_cfg.schedule_policy,
-                      engine_cfg.pipeline_depth) for r in runners]
+                      engine_cfg.pipeline_depth, answered) for r in runners]

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import threading
 import time
+from typing import Callable
 
 import jax
 from absl import logging
@@ -85,11 +86,13 @@ class Scheduler:
     down = ""  # why it takes no work: never, in this process (replica_process's may be down)
 
     def __init__(self, runner: ModelRunner, prefix_cache: bool = True, policy: str = "fair",
-                 depth: int = 2):
-        """`depth`: forwards in flight at once; 1 runs them one after another."""
+                 depth: int = 2, answered: Callable[[], None] = lambda: None):
+        """`depth`: forwards in flight at once; 1 runs them one after another. `answered`:
+        called on the scheduler's thread once a forward's units are answered (an engine
+        process sends their results then, a message a front end)."""
         if depth < 1:
             raise ValueError(f"the pipeline depth must be at least 1, got {depth}")
-        self.runner, self.depth = runner, depth
+        self.runner, self.depth, self._answered = runner, depth, answered
         self.buckets: ShapeBuckets = runner.buckets
         self.pool = PagePool(runner.num_pages)
         self.prefix_cache = PrefixCache(self.pool, self.buckets.page_size) if prefix_cache else None
@@ -298,6 +301,7 @@ class Scheduler:
             unit.job.unit_done(unit.items, logits[row:row + n], lse[row:row + n],
                                len(unit.seq.tokens))
             row += n
+        self._answered()
         answering = time.thread_time() - start
         forward.host_s += answering
         self.stats.host_s += answering

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine
-from runtime.packing import item_chunks, multi_item_sequence
+from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.tiny_models import VOCAB, small_config
 
@@ -82,6 +82,28 @@ def test_without_a_query_the_first_item_is_a_causal_prompt():
     seq = multi_item_sequence([], [[20, 21], [30]])
     assert seq.positions.tolist() == [0, 1, 0] and seq.visible_from.tolist() == [0, 0, 2]
     assert seq.cacheable == 2
+
+
+def _plain_prefix_len(seq) -> int:
+    """The definition: leading tokens at position i, visible from 0 (a causal prompt's)."""
+    plain = (seq.positions == np.arange(len(seq.tokens))) & (seq.visible_from == 0)
+    return len(plain) if plain.all() else int(plain.argmin())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_sequences_say_their_cacheable_prefix_and_first_row(seed):
+    """multi_item_sequence works both out from the item lengths, as the per-token fields
+    define them, with or without a query and with empty items anywhere."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        query = rng.integers(0, VOCAB, rng.choice([0, 1, 7])).tolist()
+        items = [rng.integers(0, VOCAB, rng.choice([0, 0, 1, 3])).tolist()
+                 for _ in range(rng.integers(0, 5))]
+        seq = multi_item_sequence(query, items)
+        assert seq.cacheable == _plain_prefix_len(seq), (query, items)
+        assert seq.first_row == min(seq.score_rows.tolist(), default=len(seq.tokens))
+    seq = causal_sequence([5, 6, 7])
+    assert (seq.cacheable, seq.first_row) == (3, 2) == (_plain_prefix_len(seq), 2)
 
 
 def test_item_chunks_respect_budget():

@@ -11,6 +11,7 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.errors import ScoreError
+from runtime.replica_process import _ENCODE, _TO_FRONT, Submit, WireUnit, _RemoteJob, _Results
 from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.server_harness import call, metric, serving
@@ -27,6 +28,31 @@ def engine(model_dirs):
     engine = Engine.from_path(model_dirs["qwen3"], processes_config())
     yield engine
     engine.close()
+
+
+class _SentMessages(list):
+    def send(self, front: str, message) -> None:
+        self.append((front, _TO_FRONT.decode(_ENCODE.encode(message))))
+
+
+def test_a_forwards_results_go_as_one_message_a_front_end():
+    """An engine process holds its units' results until the scheduler says the forward is
+    answered, then sends one message to each front end with the results of its jobs."""
+    sent = _SentMessages()
+    results = _Results(sent)
+    unit = WireUnit(b"", b"", b"", b"", 0, 0, 0, 0, 1)
+    jobs = [_RemoteJob(Submit(front, job, [7, 8], "logits", [unit, unit]), results, sent,
+                       lambda job: None) for front, job in (("a", 0), ("b", 1), ("a", 2))]
+    for k, job in enumerate(jobs):
+        job.unit_done(range(0, 1), np.full((1, 2), k), np.zeros(1), 10)
+    jobs[0].unit_done(range(1, 2), np.full((1, 2), 3), np.zeros(1), 10)
+    assert sent == []
+    results.send()
+    assert [(front, [(d.job, d.start, np.frombuffer(d.logits).tolist()) for d in m.done])
+            for front, m in sent] == [("a", [(0, 0, [0, 0]), (2, 0, [2, 2]), (0, 1, [3, 3])]),
+                                      ("b", [(1, 0, [1, 1])])]
+    results.send()
+    assert len(sent) == 2  # nothing held: nothing sent
 
 
 def test_scores_equal_one_process_bit_for_bit(engines, engine):
