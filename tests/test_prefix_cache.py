@@ -111,13 +111,15 @@ def seconds_per_eviction(cache, evictions: int) -> float:
 
 def test_evicting_a_page_costs_the_same_in_a_pool_of_a_million_tokens():
     """Eviction never walks the tree: a page from a full cache of 1M tokens (65,536 pages of
-    16) costs what it costs from one ten times smaller. Best of five rounds each, in turn."""
+    16) costs about what it costs from one ten times smaller (a walk would cost ten times as
+    much; the larger tree's memory alone made it 1.1-1.2x, and 1.6x once inside the whole
+    suite's process, 2026-12-02). Best of five rounds each, in turn."""
     large, small = full_cache(65536)[1], full_cache(6552)[1]
     best = {"large": np.inf, "small": np.inf}
     for _ in range(5):
         best["large"] = min(best["large"], seconds_per_eviction(large, 1000))
         best["small"] = min(best["small"], seconds_per_eviction(small, 1000))
-    assert best["large"] < 1.5 * best["small"], best
+    assert best["large"] < 3 * best["small"], best
 
 
 @pytest.mark.parametrize("seed", range(3))
