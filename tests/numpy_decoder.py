@@ -18,7 +18,7 @@ class NumpyDecoder:
         `rotation`: the residual stream in the basis of this orthogonal [H, H] (QuaRot's: the
         norms before the sublayers folded into the weights that read it); `hadamard`: down's
         input times Sylvester's +-1 matrix of this size in each block of as many features."""
-        self.int8, self.rotation, self.hadamard = int8, rotation, hadamard
+        self.int8, self.rotation = int8, rotation
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
         self.t = {}
@@ -37,7 +37,10 @@ class NumpyDecoder:
             self._smooth(smoothing)
         if rotation is not None:
             self._rotate(rotation)
+        self.spread = None  # down's input times this [I, I] block-diagonal +-1 matrix
         if hadamard:
+            self.spread = np.kron(np.eye(c["intermediate_size"] // hadamard),
+                                  _sylvester(hadamard))
             self._fold_hadamard(hadamard)
 
     def _rotate(self, q):
@@ -58,17 +61,10 @@ class NumpyDecoder:
             if p + "self_attn.o_proj.bias" in self.t:
                 self.t[p + "self_attn.o_proj.bias"] = self.t[p + "self_attn.o_proj.bias"] @ q
 
-    def _blocks(self, n: int) -> np.ndarray:
-        h = np.ones((1, 1))
-        while h.shape[0] < self.hadamard:
-            h = np.block([[h, h], [h, -h]])
-        return np.kron(np.eye(n // self.hadamard), h)
-
     def _fold_hadamard(self, block: int):
         for layer in range(self.cfg["num_hidden_layers"]):
             name = f"model.layers.{layer}.mlp.down_proj.weight"
-            w = self.t[name]
-            self.t[name] = w @ self._blocks(w.shape[1]) / block
+            self.t[name] = self.t[name] @ self.spread / block
 
     def _smooth(self, factors: dict):
         """SmoothQuant's folding, in HF's layout ([out, in] weights, norms 1 + w in Gemma)."""
@@ -166,8 +162,8 @@ class NumpyDecoder:
             h = n(x, "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm")
             gate, up = self._lin(h, p + "mlp.gate_proj"), self._lin(h, p + "mlp.up_proj")
             inner = self._act(gate) * up
-            if self.hadamard:
-                inner = inner @ self._blocks(inner.shape[1])
+            if self.spread is not None:
+                inner = inner @ self.spread
             m = self._lin(inner, p + "mlp.down_proj")
             x = x + (n(m, "post_feedforward_layernorm") if self.sandwich else m)
         last = x[-1] if self.rotation is None else x[-1] @ self.rotation.T
@@ -199,3 +195,10 @@ def _int8_rows(a):
 def _int8_product(x, w):
     (xq, xs), (wq, ws) = _int8_rows(x), _int8_rows(w)
     return (xq @ wq.T) * xs * ws.T
+
+
+def _sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
