@@ -46,8 +46,8 @@ from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.request import parse_score_request
-from server.app import parse_json
 from server.http import Limits, encode_response, read_request
+from server.json_codec import parse_json
 
 FLAGS = flags.FLAGS
 SHAPE = {"query_tokens": 120, "num_items": 10, "item_tokens": 18, "num_labels": 2}

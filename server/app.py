@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import os
 import signal
 import socket
@@ -41,6 +40,8 @@ from server.http import (
 )
 from server.metrics import ServerMetrics, prometheus_text
 from server.profiler import Profiler
+from server.json_codec import parse_json
+from server.loop_futures import LoopFutures
 from server.text_batches import TextBatches
 
 
@@ -79,21 +80,6 @@ class Answer(NamedTuple):
     items: int = 0  # items or documents scored, for the metrics and the access log
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json(body: bytes):
-    try:
-        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise ScoreError("request body is not valid UTF-8") from None
-    except RecursionError:
-        raise ScoreError("request body is nested too deeply") from None
-    except ValueError as e:
-        raise ScoreError(f"invalid JSON body: {e}") from None
-
-
 class ScoreServer:
     def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
         self.engine, self.config = engine, config
@@ -107,6 +93,7 @@ class ScoreServer:
         self._waiting: dict[asyncio.Future, Callable[[], bool]] = {}  # results, client gone?
         self._clients_gone: set[asyncio.Future] = set()
         self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
+        self._results: LoopFutures | None = None  # the engine's futures, on the loop
         self._text_batches = TextBatches(engine.submit_all)
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
@@ -302,7 +289,9 @@ class ScoreServer:
 
     async def _result_unless_gone(self, future, gone):
         """The request's result; if its client disconnects first, its work is dropped."""
-        waiting = asyncio.wrap_future(future)
+        if self._results is None:
+            self._results = LoopFutures(asyncio.get_running_loop())
+        waiting = self._results.wrap(future)
         self._waiting[waiting] = gone
         if self._watch is None:
             self._watch = asyncio.create_task(self._watch_clients())

@@ -1,11 +1,11 @@
 """Minimal HTTP/1.1 message reading and writing over asyncio streams."""
 import asyncio
 import dataclasses
-import json
 import re
 import urllib.parse
 
 from runtime.errors import STATUSES, ScoreError
+from server.json_codec import to_json
 
 
 @dataclasses.dataclass
@@ -221,6 +221,8 @@ async def linger(reader: asyncio.StreamReader, writer, seconds: float = LINGER_S
 async def send(writer, data: bytes, timeout_s: float) -> None:
     """Writes `data`; a client that does not read it within `timeout_s` is cut off."""
     writer.write(data)
+    if not writer.transport.get_write_buffer_size():  # all of it sent: nothing to time
+        return await writer.drain()
     try:
         async with asyncio.timeout(timeout_s):
             await writer.drain()
@@ -232,7 +234,7 @@ async def send(writer, data: bytes, timeout_s: float) -> None:
 def encode_response(status: int, payload, keep_alive: bool, extra_headers=(),
                     content_type: str = "application/json", head_only: bool = False) -> bytes:
     """`payload`: JSON-able, or bytes sent as they are; `head_only` (HEAD) sends no body."""
-    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    body = payload if isinstance(payload, bytes) else to_json(payload)
     head = [f"HTTP/1.1 {status} {STATUSES[status][0]}",
             f"Content-Type: {content_type}", f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}", *extra_headers]
