@@ -38,10 +38,10 @@ from server.http import (
     request_begins,
     send,
 )
-from server.metrics import ServerMetrics, prometheus_text
-from server.profiler import Profiler
 from server.json_codec import parse_json
 from server.loop_futures import LoopFutures
+from server.metrics import ServerMetrics, prometheus_text
+from server.profiler import Profiler
 from server.text_batches import TextBatches
 
 

@@ -22,8 +22,8 @@ from runtime.engine import Engine
 from runtime.errors import ScoreError
 from runtime.request import parse_rerank_request, parse_score_request
 from server.app import RERANK_ROUTES, rerank_response, score_response
-from server.json_codec import parse_json
 from server.http import error_body
+from server.json_codec import parse_json
 
 _ID = re.compile(r"batch_req_(\d+)$")
 
