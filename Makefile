@@ -28,8 +28,11 @@ install: $(VENV)/.installed
 serve: $(VENV)/.installed
 	$(PY) -m server --host $(HOST) --port $(PORT)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a test file each at a time: its module's
+# engines and servers are made once, in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(VENV)/.installed
 	$(PY) -m profiling.bench_engine --out bench_engine.json

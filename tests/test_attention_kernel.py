@@ -434,13 +434,15 @@ def test_plan_larger_than_its_padding_is_refused():
                    max_steps=14)
 
 
-@pytest.mark.parametrize("model", [*SIZED_MODELS, "Gemma-2-2B"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("model, dtype, page", [
+    ("SmolLM2-135M", jnp.bfloat16, 128), ("Qwen3-0.6B", jnp.float32, 16),
+    ("Qwen2.5-0.5B", jnp.bfloat16, 16), ("Llama-3.2-1B", jnp.float32, 128),
+    ("Gemma-2-2B", jnp.bfloat16, 128)])
 def test_kernel_compiles_for_v6e(model, dtype, page):
-    """The whole grid (five models' heads, both dtypes, pages of 16 and 128) through Mosaic's
-    compiler, at the server's v6e block sizes and lane-aligned pool: 1-3 s each; Gemma 2's
-    with its soft-cap and sliding window."""
+    """Through Mosaic's compiler at the server's v6e block sizes and lane-aligned pool: each
+    model's heads once, and each dtype with pages of 16 and of 128 (a tile's), Gemma 2's with
+    its soft-cap and sliding window; 2-9 s each. The server's own programs (bfloat16, pages of
+    16) compile for every sized model in tests/test_tpu_programs.py."""
     cfg = {**SIZED_MODELS, **WINDOWED_MODELS}[model]
     windowed = dict(softcap=cfg.attn_softcap, window=4096) if cfg.windowed else {}
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, pool_head_dim(cfg, "pallas")
