@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 import uuid
+from logging import INFO
 from typing import Callable, NamedTuple
 
 import jax
@@ -27,6 +28,7 @@ from runtime.request import (
 )
 from runtime.rerank import RerankResult
 from server.access import AccessPolicy
+from server.access_log import AccessLog
 from server.http import (
     HttpError,
     Limits,
@@ -94,6 +96,7 @@ class ScoreServer:
         self._clients_gone: set[asyncio.Future] = set()
         self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
         self._results: LoopFutures | None = None  # the engine's futures, on the loop
+        self._access_log: AccessLog | None = None  # made on the loop, at the first line
         self._text_batches = TextBatches(engine.submit_all)
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
@@ -135,6 +138,8 @@ class ScoreServer:
         for task in self._connections:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._access_log is not None:
+            self._access_log.flush()
 
     async def _stop_listening(self, listener: asyncio.Server) -> None:
         """Closes the listener, first taking the connections the kernel has queued on it:
@@ -215,12 +220,14 @@ class ScoreServer:
         seconds = time.perf_counter() - start
         route = req.path if req is not None and req.path in self._routes else "other"
         self.metrics.observe(route, status, seconds, items)
-        if self.config.access_log:
+        if self.config.access_log and logging.get_absl_logger().isEnabledFor(INFO):
             method, path = (req.method, req.path) if req is not None else ("-", "-")
             peer = writer.get_extra_info("peername")
-            logging.info("%s %s %s %d items=%d %.1fms", "%s:%s" % peer[:2] if peer else "-",
-                         method, path if path.isprintable() else ascii(path), status, items,
-                         seconds * 1e3)
+            if self._access_log is None:
+                self._access_log = AccessLog(asyncio.get_running_loop())
+            self._access_log.line("%s %s %s %d items=%d %.1fms" % (
+                "%s:%s" % peer[:2] if peer else "-", method,
+                path if path.isprintable() else ascii(path), status, items, seconds * 1e3))
 
     def _error(self, e: ScoreError) -> Answer:
         headers = {503: [f"Retry-After: {self.config.retry_after_s}"],
