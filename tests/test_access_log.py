@@ -44,15 +44,18 @@ def test_a_turns_lines_go_out_in_one_write_in_absls_format():
 
 
 def test_a_broken_stream_loses_its_lines_and_raises_nothing():
-    def closed():
-        stream = io.StringIO()
-        stream.close()
-        return stream
+    broken, mended = io.StringIO(), io.StringIO()
+    broken.close()
+    streams = [broken, mended]
 
     async def main():
-        log = AccessLog(asyncio.get_running_loop(), closed)
+        log = AccessLog(asyncio.get_running_loop(), lambda: streams[0])
         log.line("lost")
+        log.flush()  # its write fails within, raising nothing here
         await asyncio.sleep(0)
-        log.flush()  # nothing kept
+        streams.pop(0)
+        log.line("kept")
+        await asyncio.sleep(0)
 
     asyncio.run(main())
+    assert [line.rsplit(" ", 1)[1] for line in mended.getvalue().splitlines()] == ["kept"]
