@@ -9,10 +9,12 @@ python -m profiling.bench_serving [--model-path DIR] [--server-roots .,/tmp/old]
 Without --model-path it writes the tiny checkpoint (2 layers, hidden 64, Qwen3,
 profiling.random_checkpoint). Each of --server-roots is a checkout whose `python -m server`
 runs in turn (e.g. the code before a change, checked out with `git worktree add`), on the
-same model and client. Requests: a 120-token query, 10 items of 18 tokens, 2 labels, every
-request its own query (the prefix cache fills and evicts), as token ids or, with --text, as
-text the server tokenizes. Each of `concurrency` clients sends its next request when the
-last is answered, for `duration` seconds after `warmup` seconds of the same.
+same model and client, with --noaccess_log unless --server-args says --access_log (a
+server's default: some 0.03-0.05 ms of CPU a request, docs/host_path.md). Requests: a
+120-token query, 10 items of 18 tokens, 2 labels, every request its own query (the prefix
+cache fills and evicts), as token ids or, with --text, as text the server tokenizes. Each
+of `concurrency` clients sends its next request when the last is answered, for `duration`
+seconds after `warmup` seconds of the same.
 Per level: items/s and requests/s (answered within the run), latency p50/p99 (client wall
 clock, request sent to answer read), the server's CPU ms per request (/proc, all its
 threads: HTTP, JSON, tokenizing, scheduling and the CPU forward), its scheduler's CPU ms per
