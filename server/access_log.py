@@ -20,16 +20,14 @@ def absl_stream() -> TextIO:
 
 
 class AccessLog:
-    def __init__(self, loop: asyncio.AbstractEventLoop, stream=absl_stream):
+    def __init__(self, stream=absl_stream):
         """`stream()`: the stream to write to, asked at each write."""
-        self._loop, self._stream = loop, stream
+        self._stream = stream
         self._lines: list[str] = []
         self._second, self._stamp = -1, ""
-        self._source = (f"{threading.get_ident():5d} {os.path.basename(__file__)}:"
-                        f"{AccessLog.line.__code__.co_firstlineno}]")
 
     def line(self, message: str) -> None:
-        """Logs `message`, written before the loop's next turn."""
+        """Logs `message`, written before the running event loop's next turn."""
         now = time.time()
         second = int(now)
         if second != self._second:  # localtime once a second, not once a line
@@ -37,18 +35,22 @@ class AccessLog:
             self._second = second
             self._stamp = "I%02d%02d %02d:%02d:%02d" % (t.tm_mon, t.tm_mday, t.tm_hour,
                                                         t.tm_min, t.tm_sec)
-        self._lines.append(f"{self._stamp}.{int((now - second) * 1e6):06d} {self._source} "
-                           f"{message}\n")
+        self._lines.append(f"{self._stamp}.{int((now - second) * 1e6):06d} "
+                           f"{threading.get_ident():5d} {_SOURCE} {message}\n")
         if len(self._lines) == 1:
-            self._loop.call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         """Writes the lines kept; a stream that fails loses them, never a request."""
         lines, self._lines = self._lines, []
-        if lines:
-            try:
-                stream = self._stream()
-                stream.write("".join(lines))
-                stream.flush()
-            except (OSError, ValueError):  # closed or broken
-                pass
+        if not lines:
+            return
+        try:
+            stream = self._stream()
+            stream.write("".join(lines))
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken
+            pass
+
+
+_SOURCE = f"{os.path.basename(__file__)}:{AccessLog.line.__code__.co_firstlineno}]"

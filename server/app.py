@@ -96,7 +96,7 @@ class ScoreServer:
         self._clients_gone: set[asyncio.Future] = set()
         self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
         self._results: LoopFutures | None = None  # the engine's futures, on the loop
-        self._access_log: AccessLog | None = None  # made on the loop, at the first line
+        self._access_log = AccessLog()
         self._text_batches = TextBatches(engine.submit_all)
         self._routes = {"/v1/score": ("POST", self._score),
                         **{path: ("POST", self._rerank) for path in RERANK_ROUTES},
@@ -138,8 +138,7 @@ class ScoreServer:
         for task in self._connections:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._access_log is not None:
-            self._access_log.flush()
+        self._access_log.flush()
 
     async def _stop_listening(self, listener: asyncio.Server) -> None:
         """Closes the listener, first taking the connections the kernel has queued on it:
@@ -223,8 +222,6 @@ class ScoreServer:
         if self.config.access_log and logging.get_absl_logger().isEnabledFor(INFO):
             method, path = (req.method, req.path) if req is not None else ("-", "-")
             peer = writer.get_extra_info("peername")
-            if self._access_log is None:
-                self._access_log = AccessLog(asyncio.get_running_loop())
             self._access_log.line("%s %s %s %d items=%d %.1fms" % (
                 "%s:%s" % peer[:2] if peer else "-", method,
                 path if path.isprintable() else ascii(path), status, items, seconds * 1e3))

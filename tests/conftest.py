@@ -1,8 +1,11 @@
 import contextlib
+import io
+import logging
 import os
 
 import jax
 import pytest
+from absl import logging as absl_logging
 from jax.experimental.compilation_cache import compilation_cache
 
 from model.config import ModelConfig
@@ -96,3 +99,12 @@ def numpy_models(model_dirs) -> dict[str, NumpyDecoder]:
 def embedded_config() -> ModelConfig:
     """The embedded SmolLM2's config: read from its GGUF, which takes 4 s here."""
     return load_config(None)
+
+
+@pytest.fixture
+def access_log(caplog, monkeypatch) -> io.StringIO:
+    """What servers write to absl's stream (their access log lines), absl's logger at INFO."""
+    caplog.set_level(logging.INFO, logger="absl")
+    stream = io.StringIO()
+    monkeypatch.setattr(absl_logging.get_absl_handler().python_handler, "stream", stream)
+    return stream

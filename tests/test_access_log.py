@@ -24,7 +24,7 @@ def test_a_turns_lines_go_out_in_one_write_in_absls_format():
     stream = CountingStream()
 
     async def main():
-        log = AccessLog(asyncio.get_running_loop(), lambda: stream)
+        log = AccessLog(lambda: stream)
         for k in range(20):  # the answers of one forward
             log.line(f"request {k}")
         assert stream.writes == 0  # kept until the loop's next turn
@@ -49,7 +49,7 @@ def test_a_broken_stream_loses_its_lines_and_raises_nothing():
     streams = [broken, mended]
 
     async def main():
-        log = AccessLog(asyncio.get_running_loop(), lambda: streams[0])
+        log = AccessLog(lambda: streams[0])
         log.line("lost")
         log.flush()  # its write fails within, raising nothing here
         await asyncio.sleep(0)

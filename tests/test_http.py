@@ -1,6 +1,4 @@
 """The HTTP contract of CONTRACT §2 over a real socket: routes, bodies, errors, the CLI."""
-import io
-import logging
 import re
 import signal
 import threading
@@ -8,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-from absl import logging as absl_logging
 
 from server.app import ServerConfig
 from server.http import Limits
@@ -146,10 +143,7 @@ def test_compilations_are_reported_in_info_and_metrics(port, engines):
         assert float(line.split()[1]) > 0
 
 
-def test_metrics_count_requests_items_and_latency(engines, caplog, monkeypatch):
-    caplog.set_level(logging.INFO, logger="absl")
-    stream = io.StringIO()  # absl's, which the access log writes to
-    monkeypatch.setattr(absl_logging.get_absl_handler().python_handler, "stream", stream)
+def test_metrics_count_requests_items_and_latency(engines, access_log):
     with serving(engines["llama"]) as p:
         for items in (["a"], ["b", "c"], ["d", "e", "f"]):
             assert call(p, "POST", "/v1/score", {**OK, "items": items})[0] == 200
@@ -167,7 +161,7 @@ def test_metrics_count_requests_items_and_latency(engines, caplog, monkeypatch):
     assert buckets == sorted(buckets) and buckets[-1] == 4  # the 400 is timed too
     assert "jax_score_request_duration_seconds_count 4" in lines
     assert "jax_score_pending_requests 0" in lines
-    log = [line for line in stream.getvalue().splitlines() if "/v1/score" in line]
+    log = [line for line in access_log.getvalue().splitlines() if "/v1/score" in line]
     assert len(log) == 4 and re.fullmatch(r"I\d{4} [\d:.]+ +\d+ access_log\.py:\d+\] "
                                           r"127\.0\.0\.1:\d+ POST /v1/score 200 items=3 "
                                           r"[\d.]+ms", log[2]), log
