@@ -22,6 +22,7 @@ from runtime.request import (
     RerankRequest,
     ScoreRequest,
     check_token_range,
+    ids_in_range,
     parse_rerank_request,
     parse_score_request,
 )
@@ -239,9 +240,10 @@ class Engine:
 
     def _tokenize(self, req: ScoreRequest) -> tuple[list[int], list[list[int]]]:
         if not req.is_text:
-            check_token_range(req.query, self.cfg.vocab_size, "query")
-            for k, item in enumerate(req.items):
-                check_token_range(item, self.cfg.vocab_size, f"items[{k}]")
+            if not ids_in_range([req.query, *req.items], self.cfg.vocab_size):
+                check_token_range(req.query, self.cfg.vocab_size, "query")
+                for k, item in enumerate(req.items):
+                    check_token_range(item, self.cfg.vocab_size, f"items[{k}]")
             return req.query, req.items
         query, *items = self.tokenizer.encode_pieces([req.query, *req.items])
         return query, items
