@@ -21,8 +21,7 @@ from runtime.replicas import local_replicas
 from runtime.request import (
     RerankRequest,
     ScoreRequest,
-    check_token_range,
-    ids_in_range,
+    check_token_ranges,
     parse_rerank_request,
     parse_score_request,
 )
@@ -232,7 +231,8 @@ class Engine:
     def _labels(self, req: ScoreRequest) -> list[int]:
         if self.cfg.is_classifier:
             return list(range(self.cfg.num_labels))
-        check_token_range(req.label_token_ids, self.cfg.vocab_size, "label_token_ids")
+        check_token_ranges([req.label_token_ids], self.cfg.vocab_size,
+                           lambda _: "label_token_ids")
         if len(req.label_token_ids) > self.engine_cfg.max_labels:
             raise ScoreError(f"label_token_ids has {len(req.label_token_ids)} ids, more than "
                              f"the maximum of {self.engine_cfg.max_labels} (--max-labels)")
@@ -240,10 +240,8 @@ class Engine:
 
     def _tokenize(self, req: ScoreRequest) -> tuple[list[int], list[list[int]]]:
         if not req.is_text:
-            if not ids_in_range([req.query, *req.items], self.cfg.vocab_size):
-                check_token_range(req.query, self.cfg.vocab_size, "query")
-                for k, item in enumerate(req.items):
-                    check_token_range(item, self.cfg.vocab_size, f"items[{k}]")
+            check_token_ranges([req.query, *req.items], self.cfg.vocab_size,
+                               lambda k: f"items[{k - 1}]" if k else "query")
             return req.query, req.items
         query, *items = self.tokenizer.encode_pieces([req.query, *req.items])
         return query, items
