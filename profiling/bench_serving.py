@@ -3,7 +3,7 @@ model whose forwards take milliseconds (as a chip's do), and SGLang's base shape
 this process, closed loop, at rising concurrency.
 
 python -m profiling.bench_serving [--model-path DIR] [--server-roots .,/tmp/old]
-    [--concurrency 1,4,16,64] [--duration 20] [--warmup 3] [--text] [--window 0]
+    [--concurrency 1,4,16,64] [--duration 20] [--warmup 3] [--text] [--shelf 0] [--window 0]
     [--chip Qwen3-0.6B --chips 1] [--server-args ""] [--out serving.json]
 
 Without --model-path it writes the tiny checkpoint (2 layers, hidden 64, Qwen3,
@@ -12,17 +12,19 @@ runs in turn (e.g. the code before a change, checked out with `git worktree add`
 same model and client, with --noaccess_log unless --server-args says --access_log (a
 server's default: some 0.03-0.05 ms of CPU a request, docs/host_path.md). Requests: a
 120-token query, 10 items of 18 tokens, 2 labels, every request its own query (the prefix
-cache fills and evicts), as token ids or, with --text, as text the server tokenizes. Each
-of `concurrency` clients sends its next request when the last is answered, for `duration`
-seconds after `warmup` seconds of the same.
+cache fills and evicts), as token ids or, with --text, as text the server tokenizes; with
+--shelf N, each request's items are drawn from a shelf of N (as a catalogue scored against
+many queries), else every item is its own. Each of `concurrency` clients sends its next
+request when the last is answered, for `duration` seconds after `warmup` seconds of the same.
 Per level: items/s and requests/s (answered within the run), latency p50/p99 (client wall
 clock, request sent to answer read), the server's CPU ms per request (/proc, all its
 threads: HTTP, JSON, tokenizing, scheduling and the CPU forward), its scheduler's CPU ms per
-forward, requests per forward, and the share of wall time a forward was in flight (/metrics;
-servers from before these metrics report null). --window N: items/s in each N-second window.
---chip MODEL: the server's forwards on simulated v6e chips instead (profiling.simulated_chip:
-each held for MODEL's v6e estimate of its bucket, no CPU used), --chips of them, one a
-replica (--dp-size), and each chip's busy share of the wall time reported.
+forward, requests per forward, the share of wall time a forward was in flight, and of the
+texts found tokenized before (/metrics; servers from before these metrics report null).
+--window N: items/s in each N-second window. --chip MODEL: the server's forwards on
+simulated v6e chips instead (profiling.simulated_chip: each held for MODEL's v6e estimate of
+its bucket, no CPU used), --chips of them, one a replica (--dp-size), and each chip's busy
+share of the wall time reported.
 """
 import asyncio
 import itertools
@@ -60,7 +62,9 @@ TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_siz
         "tie_word_embeddings": False}
 _COUNTERS = {"forwards": "jax_score_forwards_total",
              "in_flight_s": "jax_score_forward_in_flight_seconds_total",
-             "host_s": "jax_score_scheduler_host_seconds_total"}
+             "host_s": "jax_score_scheduler_host_seconds_total",
+             "tokenized_texts": "jax_score_tokenized_texts_total",
+             "cached_texts": "jax_score_cached_texts_total"}
 
 
 def define_flags() -> None:
@@ -70,6 +74,8 @@ def define_flags() -> None:
     flags.DEFINE_float("duration", 20.0, "seconds measured per level")
     flags.DEFINE_float("warmup", 3.0, "seconds of load before each level's measurement")
     flags.DEFINE_bool("text", False, "text queries and items, tokenized by the server")
+    flags.DEFINE_integer("shelf", 0, "items drawn from a shelf of this many; 0: every item "
+                         "its own")
     flags.DEFINE_float("window", 0.0, "also items/s per window of this many seconds; 0: none")
     flags.DEFINE_string("chip", "", "simulated v6e chips holding this model's forward times "
                         "(profiling/v6e/data/forward_times.json); \"\": the real forwards")
@@ -86,30 +92,33 @@ def tiny_checkpoint(directory: str) -> str:
 class Bodies:
     """Request bodies of SGLang's base shape, each with its own query, as bytes: made before
     the run (the client's CPU time goes to sending), and taken in turn. `count` of them are
-    more than the prefix cache holds the queries of, so a query never comes back cached.
-    With a `tokenizer`, text: random tokens of its vocabulary, decoded, that encode as about
-    as many tokens."""
+    more than the prefix cache holds the queries of, and the engine's cache of texts seen
+    twice (runtime.token_cache), so that a query or item never comes back cached. With a
+    `tokenizer`, text: random tokens of its vocabulary, decoded, that encode as about as many
+    tokens. With a `shelf` of N, a request's items are N's, drawn at random."""
 
     def __init__(self, vocab: int, seed: int, tokenizer: TextTokenizer | None = None,
-                 count: int = 4096):
+                 count: int = 16384, shelf: int = 0):
         self.rng, self.tokenizer = np.random.default_rng(seed), tokenizer
         self.vocab = tokenizer.vocab_size - len(SPECIAL_TOKENS) if tokenizer else vocab
         self.labels = self.rng.integers(0, vocab, SHAPE["num_labels"]).tolist()
-        self._bodies = itertools.cycle([self._body() for _ in range(count)])
+        n, k = SHAPE["num_items"], shelf or count * SHAPE["num_items"]
+        queries, items = (self._parts(count, SHAPE["query_tokens"]),
+                          self._parts(k, SHAPE["item_tokens"]))
+        picks = ([self.rng.choice(shelf, n, replace=False) for _ in range(count)] if shelf
+                 else [range(j * n, (j + 1) * n) for j in range(count)])
+        self._bodies = itertools.cycle([json.dumps(
+            {"query": query, "items": [items[i] for i in pick], "label_token_ids": self.labels}
+        ).encode() for query, pick in zip(queries, picks)])
 
-    def _part(self, tokens: int):
+    def _parts(self, count: int, tokens: int) -> list:
         ids = self.rng.integers(len(SPECIAL_TOKENS) if self.tokenizer else 0, self.vocab,
-                                tokens).tolist()
+                                (count, tokens)).tolist()
         if not self.tokenizer:
             return ids
         # Random tokens decoded encode again as more tokens: keep the first `tokens` of those.
-        return self.tokenizer.decode(self.tokenizer.encode(self.tokenizer.decode(ids))[:tokens])
-
-    def _body(self) -> bytes:
-        body = {"query": self._part(SHAPE["query_tokens"]),
-                "items": [self._part(SHAPE["item_tokens"]) for _ in range(SHAPE["num_items"])],
-                "label_token_ids": self.labels}
-        return json.dumps(body).encode()
+        texts = self.tokenizer.encode_pieces([self.tokenizer.decode(part) for part in ids])
+        return [self.tokenizer.decode(part[:tokens]) for part in texts]
 
     def next(self) -> bytes:
         return next(self._bodies)
@@ -179,6 +188,8 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
     ok = [lat for lat, status in zip(latencies, statuses) if status == 200]
     n, forwards = len(ok), _delta(after, before, "forwards")
     in_flight, host = _delta(after, before, "in_flight_s"), _delta(after, before, "host_s")
+    cached, tokenized = (_delta(after, before, key) for key in ("cached_texts",
+                                                                 "tokenized_texts"))
     row = {"clients": clients, "requests": len(statuses), "errors": len(statuses) - n,
            "elapsed_s": elapsed, "items_per_s": n * SHAPE["num_items"] / elapsed,
            "req_per_s": n / elapsed, "forwards": forwards,
@@ -187,7 +198,8 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
            "server_cpu_ms_per_request": cpu / max(n, 1) * 1e3,
            "requests_per_forward": n / forwards if forwards else None,
            "forward_in_flight_share": in_flight / elapsed if in_flight is not None else None,
-           "scheduler_cpu_ms_per_forward": host / forwards * 1e3 if host and forwards else None}
+           "scheduler_cpu_ms_per_forward": host / forwards * 1e3 if host and forwards else None,
+           "texts_cached_share": cached / (cached + tokenized) if cached or tokenized else None}
     if chips:
         row["chip_busy"] = (held[:, 0] / elapsed).tolist()
         row["chip_forwards"] = held[:, 1].tolist()
@@ -199,15 +211,17 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
     return row
 
 
-def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0) -> dict:
+def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0,
+                    shelf: int = 0) -> dict:
     """The per-request path, in this process on this checkout's own functions: the HTTP head
     and body read, JSON, validation, checking, tokenizing and packing (Engine.prepare), and
-    the answer encoded; microseconds per request by stage, the median of three passes over
-    `count` requests."""
+    the answer encoded; microseconds per request by stage, the median of three passes, each
+    over `count` requests of its own (the engine keeps the token ids of texts seen twice)."""
     engine = Engine.from_path(model_path, EngineConfig(warmup=False))
-    bodies = Bodies(engine.cfg.vocab_size, seed, text_tokenizer(model_path, text), count)
+    bodies = Bodies(engine.cfg.vocab_size, seed, text_tokenizer(model_path, text), 3 * count,
+                    shelf)
     raw = [b"POST /v1/score HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
-           for b in (bodies.next() for _ in range(count))]
+           for b in (bodies.next() for _ in range(3 * count))]
     answer = {"scores": np.random.default_rng(seed).random(
         (SHAPE["num_items"], SHAPE["num_labels"])).tolist(), "model": "default",
         "object": "scoring", "usage": {"prompt_tokens": 300, "completion_tokens": 0,
@@ -223,17 +237,17 @@ def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0
         return (time.perf_counter() - start) / len(data) * 1e6, out
 
     def passes(stage, inputs) -> tuple[float, list]:
-        times = []
-        for _ in range(3):
+        times, outputs = [], []
+        for k in range(3):
             start = time.perf_counter()
-            outputs = [stage(x) for x in inputs]
-            times.append((time.perf_counter() - start) / len(inputs) * 1e6)
+            outputs += [stage(x) for x in inputs[k::3]]
+            times.append((time.perf_counter() - start) / len(inputs[k::3]) * 1e6)
         return statistics.median(times), outputs
 
     try:
-        runs = [asyncio.run(read_all(raw)) for _ in range(3)]
+        runs = [asyncio.run(read_all(raw[k::3])) for k in range(3)]
         stages = {"http_read": statistics.median(t for t, _ in runs)}
-        reqs = runs[0][1]
+        reqs = [req for _, part in runs for req in part]
         stages["json"], parsed = passes(lambda r: parse_json(r.body), reqs)
         stages["validate"], typed = passes(parse_score_request, parsed)
         stages["prepare"], _ = passes(engine.prepare, typed)
@@ -245,7 +259,7 @@ def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0
 
 def run(model_path: str, roots: list[str], concurrency: list[int], duration: float,
         warmup: float, text: bool, window: float = 0.0, server_args: str = "",
-        seed: int = 0, chip: str = "", chips: int = 1) -> dict:
+        seed: int = 0, chip: str = "", chips: int = 1, shelf: int = 0) -> dict:
     servers = {}
     with tempfile.TemporaryDirectory() as scratch:
         log = ChipLog(os.path.join(scratch, "chips"), chips, create=True) if chip else None
@@ -255,13 +269,13 @@ def run(model_path: str, roots: list[str], concurrency: list[int], duration: flo
         for root in roots:
             with running_server(model_path, args, cwd=root, module=module) as served:
                 bodies = Bodies(asyncio.run(server_vocab(served.url)), seed,
-                                text_tokenizer(model_path, text))
+                                text_tokenizer(model_path, text), shelf=shelf)
                 rows = [asyncio.run(level(served.url, served.pid, bodies, c, duration, warmup,
                                           window, log)) for c in concurrency]
                 servers[root] = {"devices": served.devices, "levels": rows}
-    return {"shape": {**SHAPE, "text": text, "distinct_queries": True},
+    return {"shape": {**SHAPE, "text": text, "distinct_queries": True, "shelf": shelf},
             "chip": {"model": chip, "chips": chips} if chip else None,
-            "request_path_us": request_path_us(model_path, text, seed=seed),
+            "request_path_us": request_path_us(model_path, text, seed=seed, shelf=shelf),
             "model_path": model_path, "server_args": server_args, "duration_s": duration,
             "warmup_s": warmup, "cpu": platform.processor() or platform.machine(),
             "threads": os.cpu_count(), "timing": "client wall clock; server CPU from /proc",
@@ -278,11 +292,11 @@ def main(argv) -> None:
         model = FLAGS.model_path or tiny_checkpoint(os.path.join(scratch, "tiny"))
         result = run(model, FLAGS.server_roots, [int(c) for c in FLAGS.concurrency],
                      FLAGS.duration, FLAGS.warmup, FLAGS.text, FLAGS.window, FLAGS.server_args,
-                     FLAGS.seed, FLAGS.chip, FLAGS.chips)
+                     FLAGS.seed, FLAGS.chip, FLAGS.chips, FLAGS.shelf)
     print("per-request path, this checkout, us:", ", ".join(
         f"{k} {v:.0f}" for k, v in result["request_path_us"].items()))
     print("root | clients | items/s | req/s | p50 ms | p99 ms | server CPU ms/req | "
-          "req/forward | in flight | scheduler CPU ms/forward | chips busy")
+          "req/forward | in flight | scheduler CPU ms/forward | texts cached | chips busy")
     for root, server in result["servers"].items():
         for r in server["levels"]:
             print(f"{root} | {r['clients']} | {r['items_per_s']:.0f} | {r['req_per_s']:.0f} | "
@@ -291,6 +305,7 @@ def main(argv) -> None:
                   f"{_fmt(r['requests_per_forward'], '.1f')} | "
                   f"{_fmt(r['forward_in_flight_share'], '.0%')} | "
                   f"{_fmt(r['scheduler_cpu_ms_per_forward'], '.2f')} | "
+                  f"{_fmt(r['texts_cached_share'], '.0%')} | "
                   + (" ".join(f"{b:.0%}" for b in r["chip_busy"]) if "chip_busy" in r
                      else "-"))
             if "items_per_s_by_window" in r:

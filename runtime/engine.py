@@ -35,6 +35,7 @@ from runtime.rerank import (
 )
 from runtime.router import Router
 from runtime.scheduler import Scheduler
+from runtime.token_cache import TokenCache
 
 
 class Engine:
@@ -44,6 +45,7 @@ class Engine:
         ReplicaProcess (runtime.replica_process); `channel`: multi-host node 0's, or a
         follower's, step channel. Made by `local` or `from_path`."""
         self.cfg, self.tokenizer, self.engine_cfg = cfg, tokenizer, engine_cfg
+        self.token_cache = TokenCache(tokenizer)  # score requests' queries and items
         self.reranker, self.rerank_off = _reranker(engine_cfg.rerank_template, tokenizer, cfg)
         self.schedulers, self.channel = replicas, channel
         self.router = Router(self.schedulers, slack_tokens=engine_cfg.max_prefill_tokens)
@@ -188,7 +190,7 @@ class Engine:
         raises its ScoreError (or a bug's exception), the others' go on."""
         texts = [text for req in reqs if req.is_text for text in (req.query, *req.items)]
         with jax.profiler.TraceAnnotation("tokenize"):
-            tokens = iter(self.tokenizer.encode_pieces(texts) if texts else [])
+            tokens = iter(self.token_cache.encode_pieces(texts) if texts else [])
         futures = []
         for req in reqs:
             pieces = [next(tokens) for _ in range(1 + len(req.items))] if req.is_text else None
@@ -243,7 +245,7 @@ class Engine:
             check_token_ranges([req.query, *req.items], self.cfg.vocab_size,
                                lambda k: f"items[{k - 1}]" if k else "query")
             return req.query, req.items
-        query, *items = self.tokenizer.encode_pieces([req.query, *req.items])
+        query, *items = self.token_cache.encode_pieces([req.query, *req.items])
         return query, items
 
     @staticmethod

@@ -33,6 +33,10 @@ _ENGINE_METRICS = [  # (name, type, help, value of an Engine and its replicas' s
     ("jax_score_kv_pages_total", "gauge", "KV pages in the pool", _total("kv_pages")),
     ("jax_score_replicas", "gauge", "data parallel replicas",
      lambda engine, statuses: len(statuses)),
+    ("jax_score_tokenized_texts_total", "counter", "score requests' texts (queries, items) "
+     "tokenized", lambda engine, statuses: engine.token_cache.misses),
+    ("jax_score_cached_texts_total", "counter", "score requests' texts found tokenized "
+     "before (runtime.token_cache)", lambda engine, statuses: engine.token_cache.hits),
     ("jax_score_affine_routes_total", "counter", "requests routed to the replica that took "
      "their query before", lambda engine, statuses: engine.router.affine_routes),
 ]

@@ -517,15 +517,27 @@ def test_bench_serving_loads_a_started_server_and_reads_its_counters(tmp_path):
     from profiling.bench_serving import run, tiny_checkpoint
     model = tiny_checkpoint(str(tmp_path / "tiny"))
     result = run(model, ["."], [2], duration=1.0, warmup=0.5, text=True, window=0.5,
-                 server_args="--max-prefill-tokens 1024 --skip-warmup")
+                 server_args="--max-prefill-tokens 1024 --skip-warmup", shelf=30)
     (row,) = result["servers"]["."]["levels"]
     assert row["requests"] > 0 and row["errors"] == 0 and row["items_per_s"] > 0
     assert row["requests_per_forward"] >= 1 and 0 < row["forward_in_flight_share"] <= 1
     assert row["scheduler_cpu_ms_per_forward"] > 0 and row["server_cpu_ms_per_request"] > 0
     assert len(row["items_per_s_by_window"]) == 2
+    assert row["texts_cached_share"] is None or 0 <= row["texts_cached_share"] <= 1
     path = result["request_path_us"]
     assert set(path) == {"http_read", "json", "validate", "prepare", "answer", "total"}
     assert all(v > 0 for v in path.values())
+
+
+def test_bench_serving_draws_a_requests_items_from_a_shelf():
+    import json
+
+    from profiling.bench_serving import SHAPE, Bodies
+    bodies = Bodies(320, 0, count=20, shelf=12)
+    reqs = [json.loads(bodies.next()) for _ in range(20)]
+    assert len({tuple(r["query"]) for r in reqs}) == 20  # each request its own query
+    assert all(len({tuple(i) for i in r["items"]}) == SHAPE["num_items"] for r in reqs)
+    assert len({tuple(i) for r in reqs for i in r["items"]}) == 12
 
 
 def test_a_simulated_chip_holds_forwards_one_after_another_without_cpu(tmp_path):
