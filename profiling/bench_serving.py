@@ -103,6 +103,8 @@ class Bodies:
         self.vocab = tokenizer.vocab_size - len(SPECIAL_TOKENS) if tokenizer else vocab
         self.labels = self.rng.integers(0, vocab, SHAPE["num_labels"]).tolist()
         n, k = SHAPE["num_items"], shelf or count * SHAPE["num_items"]
+        if 0 < shelf < n:
+            raise ValueError(f"a shelf of {shelf} items is less than a request's {n}")
         queries, items = (self._parts(count, SHAPE["query_tokens"]),
                           self._parts(k, SHAPE["item_tokens"]))
         picks = ([self.rng.choice(shelf, n, replace=False) for _ in range(count)] if shelf

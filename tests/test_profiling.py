@@ -538,6 +538,8 @@ def test_bench_serving_draws_a_requests_items_from_a_shelf():
     assert len({tuple(r["query"]) for r in reqs}) == 20  # each request its own query
     assert all(len({tuple(i) for i in r["items"]}) == SHAPE["num_items"] for r in reqs)
     assert len({tuple(i) for r in reqs for i in r["items"]}) == 12
+    with pytest.raises(ValueError, match="a shelf of 5 items is less than a request's 10"):
+        Bodies(320, 0, count=2, shelf=5)
 
 
 def test_a_simulated_chip_holds_forwards_one_after_another_without_cpu(tmp_path):
