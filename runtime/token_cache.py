@@ -1,6 +1,7 @@
-"""Score requests' texts tokenized once: a shelf of items scored against many queries, or one
-query's items sent in several requests, repeats the same texts. Each text is tokenized alone
-(TextTokenizer.encode_pieces), so its ids are the same wherever it comes: the cache is exact."""
+"""Score requests' texts not tokenized again once seen twice: a shelf of items scored against
+many queries, or one query's items sent in several requests, repeats the same texts. Each
+text is tokenized alone (TextTokenizer.encode_pieces), so its ids are the same wherever it
+comes: the cache is exact."""
 import collections
 import threading
 
