@@ -190,7 +190,7 @@ class Engine:
         raises its ScoreError (or a bug's exception), the others' go on."""
         texts = [text for req in reqs if req.is_text for text in (req.query, *req.items)]
         with jax.profiler.TraceAnnotation("tokenize"):
-            tokens = iter(self.token_cache.encode_pieces(texts) if texts else [])
+            tokens = iter(self.token_cache.encode_pieces(texts))
         futures = []
         for req in reqs:
             pieces = [next(tokens) for _ in range(1 + len(req.items))] if req.is_text else None
