@@ -11,6 +11,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from model.config import ModelConfig
 from model.loader import load_config
 from runtime.engine import Engine
+from server.engine_flags import default_compile_cache_dir
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, small_config, write_checkpoint
 
@@ -30,10 +31,19 @@ def pytest_configure(config):
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 
+def shared_dir(tmp_path_factory, name: str):
+    """A directory of this run that both pytest-xdist workers share (a plain run's own)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def user_cache_dir(tmp_path_factory):
-    """Servers the tests start keep their compilation cache here, not in the user's."""
-    path, before = tmp_path_factory.mktemp("user_cache"), os.environ.get("XDG_CACHE_HOME")
+    """Servers the tests start keep their compilation cache here, not in the user's: one for
+    both workers, and the tests' own engines (session_xla_cache) keep theirs in it too."""
+    path, before = shared_dir(tmp_path_factory, "user_cache"), os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(path)
     yield path
     if before is None:
@@ -60,12 +70,14 @@ def xla_cache_in(path: str):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def session_xla_cache(tmp_path_factory):
-    """One compilation cache for the tests run in this process, as a server keeps one: many
-    tests build engines of the same tiny models, and a program compiled once is read back
-    after that (test_runtime, test_multi_item and test_parallel: 413 s without, 337 s with).
-    A test that asserts nothing compiles counts the cache's hits too."""
-    with xla_cache_in(str(tmp_path_factory.mktemp("xla_cache"))):
+def session_xla_cache(user_cache_dir):
+    """One compilation cache for the whole run, as a server keeps one: many tests build
+    engines of the same tiny models, in both workers and in the servers they start, and a
+    program compiled once is read back after that (test_runtime, test_multi_item and
+    test_parallel: 413 s without, 337 s with, in one process). JAX's key for a program holds
+    the cache's path, so that only a directory shared by path is shared at all. A test that
+    asserts nothing compiles counts the cache's hits too."""
+    with xla_cache_in(os.path.join(default_compile_cache_dir(), "xla")):
         yield
 
 
