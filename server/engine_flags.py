@@ -93,11 +93,16 @@ def engine_config() -> EngineConfig:
         if FLAGS.compile_cache_dir else "")
 
 
+def xla_cache_dir(path: str) -> str:
+    """Where JAX's compilation cache lies in a --compile-cache-dir of `path`."""
+    return os.path.join(path, "xla")
+
+
 def use_compile_cache(path: str) -> None:
     """Every program JAX compiles is kept under `path`/xla and read back on the next start
     (the forwards under `path`/programs: EngineConfig.program_cache_dir)."""
     if path:
-        jax.config.update("jax_compilation_cache_dir", os.path.join(path, "xla"))
+        jax.config.update("jax_compilation_cache_dir", xla_cache_dir(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         logging.info("compilation cache: %s", path)
 

@@ -11,7 +11,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from model.config import ModelConfig
 from model.loader import load_config
 from runtime.engine import Engine
-from server.engine_flags import default_compile_cache_dir
+from server.engine_flags import default_compile_cache_dir, xla_cache_dir
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, small_config, write_checkpoint
 
@@ -77,7 +77,7 @@ def session_xla_cache(user_cache_dir):
     test_parallel: 413 s without, 337 s with, in one process). JAX's key for a program holds
     the cache's path, so that only a directory shared by path is shared at all. A test that
     asserts nothing compiles counts the cache's hits too."""
-    with xla_cache_in(os.path.join(default_compile_cache_dir(), "xla")):
+    with xla_cache_in(xla_cache_dir(default_compile_cache_dir())):
         yield
 
 
