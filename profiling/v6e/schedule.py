@@ -321,7 +321,7 @@ def check_total(name: str, analysis: str, bundles: int) -> None:
 
 # Only the final listings, and none of the annotations the packer keeps for other dumps: the
 # same machine code either way, in 0.4-0.6 of the compile time for a large kernel
-# (docs/tpu_v6e.md, "Dumps").
+# (docs/tpu_v6e.md, "Things to know").
 _DUMP_FLAGS = ("--xla_jf_dump_llo_pass_label_regex=final_bundles",
                "--xla_jf_emit_annotations=false")
 
