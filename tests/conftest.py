@@ -15,6 +15,9 @@ from server.engine_flags import default_compile_cache_dir, xla_cache_dir
 from tests.numpy_decoder import NumpyDecoder
 from tests.tiny_models import FAMILIES, small_config, write_checkpoint
 
+# XLA:CPU's older fusion emitters: faster to compile (pytest_configure)
+OLDER_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
 
 def pytest_configure(config):
     """Before any test module is imported, and JAX's backend with it: eight CPU devices for the
@@ -30,7 +33,7 @@ def pytest_configure(config):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8"
                                + " --xla_backend_optimization_level=0"
-                               + " --xla_cpu_use_fusion_emitters=false").strip()
+                               + " " + OLDER_FUSION_EMITTERS).strip()
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from profiling.bench_engine import run, workload
+from tests.conftest import OLDER_FUSION_EMITTERS
 from tests.tiny_models import VOCAB
 
 
@@ -159,7 +160,7 @@ def _xla_cpu_defaults() -> dict:
     """The environment with XLA:CPU's own fusion emitters, which the suite swaps for faster
     compiling ones (tests/conftest.py): the older ones leave no scatter in the optimized HLO
     whose ops the ablation counts."""
-    flags = os.environ["XLA_FLAGS"].replace("--xla_cpu_use_fusion_emitters=false", "")
+    flags = os.environ["XLA_FLAGS"].replace(OLDER_FUSION_EMITTERS, "")
     return dict(os.environ, XLA_FLAGS=flags)
 
 
