@@ -141,14 +141,16 @@ def projection_kernel_applies(tokens: int, shapes) -> bool:
 
 def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs: int,
                      itemsize: int, out_itemsize: int, blocks: ProjectionBlocks,
-                     rope_group: int = 0, weight_itemsize: int | None = None) -> int:
+                     rope_group: int = 0, weight_itemsize: int | None = None,
+                     spread: int = 1) -> int:
     """HBM bytes the kernel moves: x once (its block changes only with the token block), the
     weights once if whole, else once per token block (in `weight_itemsize`, default x's),
-    each of `outputs` once, and with RoPE its two float32 tables [tokens, rope_group] once."""
+    each of `outputs` once (`spread` times wider with heads a lane tile each), and with RoPE
+    its two float32 tables [tokens, rope_group] once."""
     weight_reads = 1 if blocks.all_columns(width) else tokens // blocks.rows
     weight_itemsize = weight_itemsize or itemsize
     return (tokens * depth * itemsize + weight_reads * weights * depth * width * weight_itemsize
-            + outputs * tokens * width * out_itemsize + 2 * tokens * rope_group * 4)
+            + outputs * tokens * width * spread * out_itemsize + 2 * tokens * rope_group * 4)
 
 
 def silu(x):
@@ -201,6 +203,7 @@ class _Layout:
     int8: bool = False  # int8 weights: x quantized per token; their scales [n, out] last
     x_quantized: bool = False  # x comes int8, its per-token scales [T, 1] right after it
     hadamard: int = 0  # a gated call's product times hadamard(n) in each block of n columns
+    tile_heads: int = 0  # the outputs' heads of this many lanes, each stored in a lane tile
 
     @property
     def weights(self) -> int:
@@ -292,9 +295,9 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
     for i, (out, y) in enumerate(zip(out_refs, outs)):
         if i == 0 and layout.rope is not None:
             _store_rotated(out, y, *rope_refs, rows=rows, first_lane=columns.start,
-                           rope=layout.rope)
+                           rope=layout.rope, tile_heads=layout.tile_heads)
         else:
-            _store(out, rows, columns.start, y)
+            _store_heads(out, rows, columns.start, y, layout.tile_heads)
 
 
 def _spread(y, n: int):
@@ -324,8 +327,25 @@ def _store(out, rows, first_lane: int, y) -> None:
             pages.size, page_size, d)
 
 
+def _store_heads(out, rows, first_lane: int, y, head_dim: int) -> None:
+    """y [rows, width] as `_store` takes it, or with `head_dim`, each of its heads of that many
+    lanes into a lane tile of its own, zeros after it (the KV pool's and the attention's
+    layout): from tile first_lane / head_dim on."""
+    if not head_dim:
+        _store(out, rows, first_lane, y)
+        return
+    per_tile = LANES // head_dim
+    lane = jax.lax.broadcasted_iota(jnp.int32, (y.shape[0], LANES), 1)
+    for k in range(y.shape[1] // head_dim):
+        tile, shift = y[:, k // per_tile * LANES:(k // per_tile + 1) * LANES], k % per_tile
+        if shift:
+            tile = pltpu.roll(tile, LANES - shift * head_dim, 1)
+        _store(out, rows, (first_lane // head_dim + k) * LANES,
+               jnp.where(lane < head_dim, tile, jnp.zeros_like(tile)))
+
+
 def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
-                   rope: tuple[int, float, bool]):
+                   rope: tuple[int, float, bool], tile_heads: int = 0):
     """y (the product of `rows` in out's dtype: what the norm and RoPE kernel would read)
     normed and rotated a lane group at a time, as that kernel does."""
     head_dim, eps, _ = rope
@@ -335,7 +355,7 @@ def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
     for g in range(y.shape[-1] // group):
         x = norm_rope_lanes(y[:, g * group:(g + 1) * group].astype(jnp.float32), cos, sin,
                             weight, head_dim=head_dim, eps=eps, dtype=out.dtype)
-        _store(out, rows, first_lane + g * group, x.astype(out.dtype))
+        _store_heads(out, rows, first_lane + g * group, x.astype(out.dtype), tile_heads)
 
 
 def _kernel(*refs, layout: _Layout, chunk: int, single_step: bool):
@@ -508,7 +528,8 @@ def _groups(weights: tuple, layer) -> tuple:
 def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, name: str,
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
           pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None,
-          activation: str = "silu", scales: tuple = (), hadamard: int = 0):
+          activation: str = "silu", scales: tuple = (), hadamard: int = 0,
+          tile_heads: int = 0):
     check_projection_shapes(x, weights, biases, layer, scales)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
@@ -521,8 +542,10 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                          "columns")
     rope_operands = _rope_operands(rope, tokens, width, blocks, gated)
     outputs = 1 if gated else n
+    spread = _check_tile_heads(tile_heads, width, rope, gated or residual is not None)
     if pages is not None:
-        pages.check(tokens, width, outputs, blocks, out_dtype)
+        pages.check(tokens, width * spread, outputs,
+                    ProjectionBlocks(blocks.rows, blocks.columns * spread), out_dtype)
     if residual is not None:
         _check_residual(residual, (tokens, width), out_dtype, outputs, pages is not None)
     x_scale = ()  # x's per-token scales, where it comes quantized (and normed)
@@ -540,7 +563,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps, activation,
-                     bool(scales), bool(x_scale), hadamard)
+                     bool(scales), bool(x_scale), hadamard, tile_heads)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
@@ -549,7 +572,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 *([] if residual is None else [residual]),
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)]),
                 *([jnp.stack(scales)] if scales else [])]
-    out = _Outputs(pages, blocks, (tokens, width), out_dtype, outputs)
+    out = _Outputs(pages, ProjectionBlocks(blocks.rows, blocks.columns * spread),
+                   (tokens, width * spread), out_dtype, outputs)
     return pl.pallas_call(
         functools.partial(_kernel, layout=layout, chunk=chunk,
                           single_step=blocks.steps(tokens, width) == 1),
@@ -582,9 +606,24 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             bytes_accessed=projection_bytes(
                 tokens, depth, width, n, outputs, x.dtype.itemsize,
                 jnp.dtype(out_dtype).itemsize, blocks,
-                lane_group(rope.head_dim) if rope else 0, weights[0].dtype.itemsize)),
+                lane_group(rope.head_dim) if rope else 0, weights[0].dtype.itemsize, spread)),
         interpret=interpret,
     )(*scalars, *operands, *out.operands())
+
+
+def _check_tile_heads(head_dim: int, width: int, rope: HeadRope | None,
+                      gated_or_residual: bool) -> int:
+    """How many times wider the outputs are written with heads of `head_dim` lanes a lane tile
+    each (1 without)."""
+    if not head_dim:
+        return 1
+    if (head_dim >= LANES or LANES % head_dim or width % LANES or gated_or_residual
+            or (rope is not None and rope.head_dim != head_dim)):
+        raise ValueError(f"heads of {head_dim} lanes a lane tile each take a head dim dividing "
+                         f"{LANES}, products of whole lane tiles ({width}) and RoPE of that "
+                         f"head dim ({getattr(rope, 'head_dim', None)}); not a gated call's or "
+                         "one with a residual")
+    return LANES // head_dim
 
 
 def consecutive_steps(block_pages, pages_per_step: int):
@@ -766,7 +805,8 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
             rope: HeadRope | None = None, pages: PageWrite | None = None, residual=None,
             x_norm: InputNorm | None = None, scales: tuple = (), name: str = "project",
-            blocks: ProjectionBlocks | None = None, interpret=False) -> tuple:
+            blocks: ProjectionBlocks | None = None, tile_heads: int = 0, interpret=False
+            ) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
     [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
@@ -775,11 +815,14 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
     With `residual` [T, out] (out_dtype), one weight's product is added to it (the layer's
     residual stream). With `x_norm`, x is RMS-normed first. int8 weights take `scales`, a
     float32 [out] for each weight (at the layer), and x is quantized per token (W8A8,
-    kernels.int8). `name`: the kernel's, one per call site (a study prices each)."""
+    kernels.int8). With `tile_heads` (a head dim under 128 lanes that divides them), each
+    output's heads go each into a lane tile of its own, zeros after them: [T, heads x 128],
+    the KV pool's and the attention kernel's layout. `name`: the kernel's, one per call site
+    (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
                        interpret=interpret, pages=pages, residual=residual, x_norm=x_norm,
-                       scales=tuple(scales)))
+                       scales=tuple(scales), tile_heads=tile_heads))
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
@@ -805,7 +848,8 @@ def _at_layer(weights: tuple, layer) -> tuple:
 def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
                       rope: HeadRope | None = None, pages: PageWrite | None = None,
                       residual=None, x_norm: InputNorm | None = None, scales: tuple = (),
-                      name: str = "project", blocks=None, interpret=False) -> tuple:
+                      name: str = "project", blocks=None, tile_heads: int = 0,
+                      interpret=False) -> tuple:
     """Plain JAX, the same contract: the model's RMSNorm and XLA dots (and the norm and RoPE
     kernel's reference), and the pages written block by block."""
     del name, blocks, interpret
@@ -819,7 +863,16 @@ def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_
                                     head_dim=rope.head_dim, eps=rope.eps),) + outs[1:]
     if residual is not None:
         outs = (residual + outs[0],)
+    if tile_heads:
+        _check_tile_heads(tile_heads, outs[0].shape[1], rope, residual is not None)
+        outs = tuple(_heads_in_tiles(y, tile_heads) for y in outs)
     return outs if pages is None else _pages_reference(outs, pages, layer)
+
+
+def _heads_in_tiles(y, head_dim: int):
+    """[T, heads x head_dim] -> [T, heads x 128], each head's lanes first in its tile."""
+    heads = y.reshape(y.shape[0], -1, head_dim)
+    return jnp.pad(heads, ((0, 0), (0, 0), (0, LANES - head_dim))).reshape(y.shape[0], -1)
 
 
 def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:

@@ -223,16 +223,16 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
                         shards=None, rope=None, pages: PageWrite | None = None,
-                        residual=None, x_norm: InputNorm | None = None):
+                        residual=None, x_norm: InputNorm | None = None, tile_heads: int = 0):
     """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)
     and the residual; RoPE and pages take whole products (q's, k's and v's projections are
     split by columns, not rows)."""
     weights = _call_weights(stacked, tuple(w for w, _ in pairs))
     biases = tuple(lp[b] for _, b in pairs if b in lp)
     scales = _scales(lp, tuple(w for w, _ in pairs))
-    if pages is not None:
+    if pages is not None or tile_heads:
         return kernel(x, weights, biases, layer=layer, rope=rope, pages=pages, x_norm=x_norm,
-                      scales=scales, name=call)
+                      scales=scales, name=call, tile_heads=tile_heads)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, residual=residual,
                       x_norm=x_norm, scales=scales, name=call)
@@ -295,14 +295,20 @@ def _qkv(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h, h_
 
 def _q_and_kv_pages(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: dict, h,
                     h_norm, cos, sin, cache: KVCache, blocks: "_BlockPages"):
-    """q [T, heads, D], and the pools with k's and v's products written into their pages by
-    their projection (normed and rotated there too): no k or v array, no gather."""
+    """q [T, heads, the pool's D], and the pools with k's and v's products written into their
+    pages by their projection (normed and rotated there too): no k or v array, no gather.
+    Heads narrower than the pool's lane tile go each into a tile of their own there (no pad,
+    no relayout between the projections and the attention)."""
     q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
     q_call, kv_call = ROTATED_PROJECTIONS
-    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope, x_norm=h_norm)
+    d = cache.k.shape[-1]
+    tile_heads = cfg.head_dim if d != cfg.head_dim else 0
+    (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope, x_norm=h_norm,
+                   tile_heads=tile_heads)
     k_pages, v_pages = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope,
-                               pages=PageWrite(cache.k, cache.v, blocks.ids), x_norm=h_norm)
-    return q.reshape(h.shape[0], -1, cfg.head_dim), k_pages, v_pages
+                               pages=PageWrite(cache.k, cache.v, blocks.ids), x_norm=h_norm,
+                               tile_heads=tile_heads)
+    return q.reshape(h.shape[0], -1, d), k_pages, v_pages
 
 
 def _qkv_feature_major(cfg: ModelConfig, lp: dict, dot: Dot, h, cos, sin):
@@ -609,9 +615,11 @@ def block_page_ids(block_pages, sink: int):
 def _written(cfg: ModelConfig, kernels: KernelSet, batch: ForwardBatch, cache: KVCache):
     """Where the layers' new K and V go: by blocks of tokens where the batch is page-aligned
     (in whole pages) and k's and v's projection kernel takes their heads whole (with k's norm
-    and RoPE, and the pool's head dim theirs), else by tokens."""
+    and RoPE, and the pool's head dim theirs or a lane tile of heads that divide it), else by
+    tokens."""
+    d = cache.k.shape[-1]
     if (batch.block_pages is not None and kernels.project is not None
-            and kernels.rope is not None and cache.k.shape[-1] == cfg.head_dim
+            and kernels.rope is not None and d % cfg.head_dim == 0
             and batch.tokens.shape[0] % cache.k.shape[3] == 0):
         return _BlockPages(block_page_ids(batch.block_pages, cache.k.shape[2] - 1))
     return _TokenPages(*written_pages(batch.attention, cache.k.shape[3], cache.k.shape[2]))

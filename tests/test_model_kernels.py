@@ -50,8 +50,8 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
     Qwen2's heads of 32, four to a lane group) and weights of whole lane tiles, every
     projection on its kernel (the weights read from the stacks at the layer; Qwen2's q, k and
     v biases), the layer's input norms in the kernels that read them, q's and k's norm and
-    RoPE in the q and k projections, and, with heads of whole lane tiles (the pool's), k and
-    v written into their pages by their projection; or, with
+    RoPE in the q and k projections, and k and v written into their pages by their
+    projection (heads of 32 each into a lane tile of the pool's, as is q); or, with
     too few tokens for the projection kernels, in the norm and RoPE kernel: the Pallas
     kernels in the TPU interpreter score as the dense reference."""
     from kernels import backends, projection_kernel
@@ -74,13 +74,14 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
         monkeypatch.setattr(backends, name, counting(
             getattr(backends, name), projected,
             lambda kw: (kw["name"], kw["rope"].head_dim if kw.get("rope") else None,
-                        kw.get("pages") is not None, kw.get("x_norm") is not None)))
+                        kw.get("pages") is not None, kw.get("x_norm") is not None,
+                        kw.get("tile_heads", 0))))
     path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
                             intermediate_size=256, **overrides)
     cfg = _scores_as_reference(path)
     want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None,
-             name == "project_kv" and head_dim % 128 == 0,
-             name in ("project_q", "project_kv", "gate_up"))
+             name == "project_kv", name in ("project_q", "project_kv", "gate_up"),
+             head_dim if head_dim % 128 and name in decoder.ROTATED_PROJECTIONS else 0)
             for name in decoder.projection_shapes(cfg)}
     assert set(projected) == (want if projections else set())
     assert set(traced) == (set() if projections else {head_dim})

@@ -350,6 +350,50 @@ def test_x_normed_in_the_kernel_is_the_models_norm(dtype, norm_dtype, blocks):
     assert norm_fits(2048, 2048, 8192, 2, 1)  # int8 in blocks of columns: normed as quantized
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_narrow_heads_go_each_into_a_lane_tile(dtype, head_dim):
+    """With tile_heads, q's heads (RoPE'd) and k's and v's (into pages) come out each in a
+    lane tile of its own, zeros after it: the reference's products padded head by head, the
+    pool's untouched pages and layers as they were, with race detection; a
+    residual, RoPE of another head dim, or a head dim that does not divide 128 are refused."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    from kernels.projection_kernel import PageWrite
+    from kernels.rope_kernel import HeadRope, rope_lane_tables
+    heads = 256 // head_dim
+    x, wq, kv, b, k_pool, v_pool = _arrays(dtype, 3, (64, 256), (2, 256, 512),
+                                           (2, 2, 256, 256), (256,), (2, heads, 9, 16, 128),
+                                           (2, heads, 9, 16, 128))
+    rope = HeadRope(*rope_lane_tables(jnp.arange(64) * 5, head_dim, 1e6), None, head_dim, 1e-6)
+    interpret = pltpu.InterpretParams(detect_races=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    (q,) = project(x, (wq,), layer=jnp.int32(1), rope=rope, tile_heads=head_dim,
+                   interpret=interpret)
+    (want,) = project_reference(x, (wq,), layer=1, rope=rope)
+    assert q.shape == (64, 512 // head_dim * 128)
+    tiles = _f32(q).reshape(64, -1, 128)
+    np.testing.assert_allclose(tiles[..., :head_dim], _f32(want).reshape(64, -1, head_dim),
+                               **tol)
+    assert not tiles[..., head_dim:].any()
+    pages = PageWrite(k_pool, v_pool, jnp.asarray([3, 0, 1, 8], jnp.int32))
+    got = project(x, (kv,), (b, b), layer=jnp.int32(1), rope=rope, pages=pages,
+                  tile_heads=head_dim, interpret=interpret)
+    want = project_reference(x, (kv,), (b, b), layer=1, rope=rope, pages=pages,
+                             tile_heads=head_dim)
+    for g, w, pool in zip(got, want, (k_pool, v_pool)):
+        np.testing.assert_allclose(_f32(g[1, :, [3, 0, 1]]), _f32(w[1, :, [3, 0, 1]]), **tol)
+        assert not _f32(g[1, :, [3, 0, 1], :, head_dim:]).any()
+        np.testing.assert_array_equal(_f32(g[1, :, 2]), _f32(pool[1, :, 2]))
+        np.testing.assert_array_equal(_f32(g[0]), _f32(pool[0]))
+    assert not interpret_pallas_call.races.races_found
+    for bad in (dict(residual=jnp.zeros((64, 512), dtype), tile_heads=head_dim),
+                dict(rope=HeadRope(*rope_lane_tables(jnp.arange(64), 128, 1e6), None, 128,
+                                   1e-6), tile_heads=head_dim),
+                dict(tile_heads=96)):
+        with pytest.raises(ValueError, match="a lane tile each"):
+            project(x, (wq,), layer=1, interpret=True, **bad)
+
+
 def test_bad_rope_operands_are_refused():
     from kernels.rope_kernel import HeadRope, rope_lane_tables
     x, w, weight = _arrays(jnp.float32, 5, (32, 64), (64, 256), (128,))
@@ -408,20 +452,25 @@ def _buckets():
 @pytest.mark.parametrize("model", STUDY_MODELS)
 def test_blocks_fit_vmem_and_read_each_operand_once_where_it_fits(model):
     """Every layer's projection at every bucket up to 8,192 tokens: the blocks divide the
-    operands, fit the kernel's VMEM limit double-buffered with their float32 products, and
-    the weights (or, where they do not fit, the tokens) are read from HBM once."""
+    operands, fit the kernel's VMEM limit double-buffered with their float32 products (q's,
+    k's and v's outputs twice as wide with heads of 64, each in a lane tile), and the weights
+    (or, where they do not fit, the tokens) are read from HBM once."""
     from kernels import projection_kernel as pk
+    cfg = STUDY_MODELS[model]
     for tokens in _buckets():
-        for name, (depth, width, weights, outputs) in decoder.projection_shapes(
-                STUDY_MODELS[model]).items():
+        for name, (depth, width, weights, outputs) in decoder.projection_shapes(cfg).items():
+            spread = (128 // cfg.head_dim
+                      if name in decoder.ROTATED_PROJECTIONS and cfg.head_dim < 128 else 1)
             blocks = projection_blocks(tokens, depth, width, weights, 2)
             assert tokens % blocks.rows == 0 and width % blocks.columns == 0
             step = (blocks.rows * depth + weights * depth * blocks.columns
-                    + outputs * blocks.rows * blocks.columns) * 2
+                    + outputs * blocks.rows * blocks.columns * spread) * 2
             products = 4 * weights * blocks.rows * blocks.columns
             assert 2 * step + products <= pk._VMEM_LIMIT_BYTES, (tokens, name, blocks)
-            moved = projection_bytes(tokens, depth, width, weights, outputs, 2, 2, blocks)
-            least = 2 * (tokens * depth + weights * depth * width + outputs * tokens * width)
+            moved = projection_bytes(tokens, depth, width, weights, outputs, 2, 2, blocks,
+                                     spread=spread)
+            least = 2 * (tokens * depth + weights * depth * width
+                         + outputs * tokens * width * spread)
             if (tokens * depth * 2 <= pk._TOKENS_WHOLE_BYTES
                     or weights * depth * width * 2 <= pk._WEIGHTS_WHOLE_BYTES):
                 assert moved == least, (tokens, name, blocks)

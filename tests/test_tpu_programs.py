@@ -34,13 +34,10 @@ from runtime.pool_size import DeviceMemory, kv_pool_pages
 KERNELS = ["label_gather_rows", "label_gather_streamed", "qk_norm_rope",
            "ragged_paged_attention", "write_kv_pages"]
 # From 512 tokens, where a shard's weights are whole lane tiles (kernels.projection_kernel):
-# every projection of a layer, on its kernel, q's and k's with their norm and RoPE.
-WITH_PROJECTIONS = sorted([k for k in KERNELS if k != "qk_norm_rope"]
-                          + ["gate_up", "project_down", "project_kv", "project_out",
-                             "project_q"])
-# With heads of whole lane tiles (the pool's own), k and v go into their pages in their
-# projection: no KV-write kernel.
-INTO_PAGES = [k for k in WITH_PROJECTIONS if k != "write_kv_pages"]
+# every projection of a layer, on its kernel, q's and k's with their norm and RoPE, and k and
+# v into their pages (heads of 64 each into a lane tile of the pool's): no KV-write kernel.
+INTO_PAGES = sorted([k for k in KERNELS if k not in ("qk_norm_rope", "write_kv_pages")]
+                    + ["gate_up", "project_down", "project_kv", "project_out", "project_q"])
 # From 2048 tokens, where the MLP's weights fit VMEM (kernels.mlp_kernel): the MLP in one
 # kernel, after the output projection on one chip; split, the output projection's partial
 # sums are all-reduced before its residual add, so it keeps its own kernel.
@@ -88,9 +85,9 @@ def test_server_programs_of_the_embedded_model_compile_for_v6e(embedded_config):
 # TP 1 of Qwen3-0.6B: its largest program, in the test after this one. Whether a shard's
 # projections take their kernel: Qwen2.5-0.5B's q is 448 wide a shard at TP 2.
 TENSOR_PARALLEL = [("SmolLM2-135M", 3, 512, KERNELS), ("Qwen3-0.6B", 4, 2048, MLP_SPLIT),
-                   ("Qwen2.5-0.5B", 1, 512, WITH_PROJECTIONS),
+                   ("Qwen2.5-0.5B", 1, 512, INTO_PAGES),
                    ("Qwen2.5-0.5B", 2, 512, KERNELS),
-                   ("Llama-3.2-1B", 4, 512, WITH_PROJECTIONS)]  # Qwen2.5's 14 heads: no TP 4
+                   ("Llama-3.2-1B", 4, 512, INTO_PAGES)]  # Qwen2.5's 14 heads: no TP 4
 
 
 @pytest.mark.parametrize("model, tp, tokens, kernels", TENSOR_PARALLEL)

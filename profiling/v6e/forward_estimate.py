@@ -166,9 +166,11 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
     paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
              if into_pages else {})
+    spread = d // cfg.head_dim if into_pages else 1  # q's, k's and v's heads a lane tile each
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
-        blocks[name], paged.get(name), _weight_itemsize(cfg))
+        blocks[name], paged.get(name), _weight_itemsize(cfg),
+        spread if name in ROTATED_PROJECTIONS else 1)
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     quantized = {quantize_kernel_name(name): quantize_estimate(

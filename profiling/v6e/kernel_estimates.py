@@ -204,8 +204,8 @@ class PageRuns:
 def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width: int,
                         weights: int, outputs: int, itemsize: int, rope_group: int = 0,
                         blocks: ProjectionBlocks | None = None,
-                        pages: PageRuns | None = None, weight_itemsize: int | None = None
-                        ) -> dict:
+                        pages: PageRuns | None = None, weight_itemsize: int | None = None,
+                        spread: int = 1) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
     fill (the first block of x and the first chunk of the first weight block, copied in
@@ -220,7 +220,8 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     are copied while it computes), and a branch that copies them a page at a time is taken
     in the steps `pages` says. int8 weights: `weight_itemsize` 1 (x's `itemsize` else); x
     then comes int8 where a step holds a block of the columns (`quantize_estimate` prices
-    the kernel quantizing it)."""
+    the kernel quantizing it). `spread`: how much wider its outputs are written than its
+    products (heads a lane tile each: projection_kernel.project's `tile_heads`)."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize,
                                          weight_itemsize)
     x_itemsize = 1 if x_comes_quantized(blocks, width, weight_itemsize == 1) else itemsize
@@ -229,9 +230,9 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     chunk = first_chunk_columns(width, blocks)
     fill = blocks.rows * depth * x_itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
-    drain = outputs * blocks.rows * blocks.columns * itemsize
+    drain = outputs * blocks.rows * blocks.columns * spread * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, x_itemsize, itemsize,
-                                   blocks, rope_group, weight_itemsize)
+                                   blocks, rope_group, weight_itemsize, spread)
                   - fill - later - drain) / steps
     first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1,
                                         pages)
