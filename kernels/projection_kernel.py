@@ -22,6 +22,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.head_tiles import (
+    head_tile,
+    heads_from_tiles,
+    heads_in_tiles,
+    packed_heads,
+    tile_spread,
+)
 from kernels.int8 import dequantized, hadamard_blocks, int8_matmul, quantize_tokens
 from kernels.quantize_kernel import quantized_rows
 from kernels.rms_norm import rms_norm
@@ -142,14 +149,15 @@ def projection_kernel_applies(tokens: int, shapes) -> bool:
 def projection_bytes(tokens: int, depth: int, width: int, weights: int, outputs: int,
                      itemsize: int, out_itemsize: int, blocks: ProjectionBlocks,
                      rope_group: int = 0, weight_itemsize: int | None = None,
-                     spread: int = 1) -> int:
+                     spread: int = 1, x_spread: int = 1) -> int:
     """HBM bytes the kernel moves: x once (its block changes only with the token block), the
     weights once if whole, else once per token block (in `weight_itemsize`, default x's),
-    each of `outputs` once (`spread` times wider with heads a lane tile each), and with RoPE
-    its two float32 tables [tokens, rope_group] once."""
+    each of `outputs` once (`spread` times wider with heads a lane tile each, as x is
+    `x_spread` times), and with RoPE its two float32 tables [tokens, rope_group] once."""
     weight_reads = 1 if blocks.all_columns(width) else tokens // blocks.rows
     weight_itemsize = weight_itemsize or itemsize
-    return (tokens * depth * itemsize + weight_reads * weights * depth * width * weight_itemsize
+    return (tokens * depth * x_spread * itemsize
+            + weight_reads * weights * depth * width * weight_itemsize
             + outputs * tokens * width * spread * out_itemsize + 2 * tokens * rope_group * 4)
 
 
@@ -204,6 +212,7 @@ class _Layout:
     x_quantized: bool = False  # x comes int8, its per-token scales [T, 1] right after it
     hadamard: int = 0  # a gated call's product times hadamard(n) in each block of n columns
     tile_heads: int = 0  # the outputs' heads of this many lanes, each stored in a lane tile
+    x_tile_heads: int = 0  # x's heads of this many lanes come a lane tile each: packed first
 
     @property
     def weights(self) -> int:
@@ -246,6 +255,8 @@ def _step(x_ref, *refs, layout: _Layout, chunk: int, ready=None, after=None,
             waits(0)
         if x_scale_ref is None:
             x = x_ref[rows, :]
+            if layout.x_tile_heads:
+                x = packed_heads(x, layout.x_tile_heads)
             if x_norm:
                 x = rms_norm(x, x_norm[0][...], layout.x_norm).astype(x.dtype)
             operand = _operand(x, scales)
@@ -334,14 +345,8 @@ def _store_heads(out, rows, first_lane: int, y, head_dim: int) -> None:
     if not head_dim:
         _store(out, rows, first_lane, y)
         return
-    per_tile = LANES // head_dim
-    lane = jax.lax.broadcasted_iota(jnp.int32, (y.shape[0], LANES), 1)
     for k in range(y.shape[1] // head_dim):
-        tile, shift = y[:, k // per_tile * LANES:(k // per_tile + 1) * LANES], k % per_tile
-        if shift:
-            tile = pltpu.roll(tile, LANES - shift * head_dim, 1)
-        _store(out, rows, (first_lane // head_dim + k) * LANES,
-               jnp.where(lane < head_dim, tile, jnp.zeros_like(tile)))
+        _store(out, rows, (first_lane // head_dim + k) * LANES, head_tile(y, k, head_dim))
 
 
 def _store_rotated(out, y, cos_ref, sin_ref, *norm_ref, rows, first_lane: int,
@@ -529,11 +534,15 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
           blocks: ProjectionBlocks | None, rope: HeadRope | None, interpret,
           pages: "PageWrite | None" = None, residual=None, x_norm: "InputNorm | None" = None,
           activation: str = "silu", scales: tuple = (), hadamard: int = 0,
-          tile_heads: int = 0):
-    check_projection_shapes(x, weights, biases, layer, scales)
+          tile_heads: int = 0, x_tile_heads: int = 0):
+    x_spread = _check_x_tile_heads(x_tile_heads, x, x_norm)
+    packed = x if x_spread == 1 else jax.ShapeDtypeStruct(
+        (x.shape[0], x.shape[1] // x_spread), x.dtype)
+    check_projection_shapes(packed, weights, biases, layer, scales)
     stacks, layer = _groups(weights, layer), 0 if layer is None else layer
     groups = tuple(w.shape[1] for w in stacks)
-    n, (tokens, depth), width = sum(groups), x.shape, weights[0].shape[-1]
+    n, tokens, width = sum(groups), x.shape[0], weights[0].shape[-1]
+    depth = x.shape[1] // x_spread
     blocks = blocks or call_blocks(tokens, depth, width, n, x.dtype.itemsize,
                                    pages and pages.k_pages.shape[3], x_norm is not None,
                                    weights[0].dtype.itemsize)
@@ -550,6 +559,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         _check_residual(residual, (tokens, width), out_dtype, outputs, pages is not None)
     x_scale = ()  # x's per-token scales, where it comes quantized (and normed)
     if x_comes_quantized(blocks, width, bool(scales)):
+        if x_spread > 1:  # the quantize kernel takes x packed
+            x, x_spread, x_tile_heads = heads_from_tiles(x, x_tile_heads), 1, 0
         x, scale = quantized_rows(x, *((x_norm.weight, x_norm.eps) if x_norm else ()),
                                   name=quantize_kernel_name(name), interpret=interpret)
         x_scale, x_norm = (scale,), None
@@ -563,7 +574,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
     layout = _Layout(groups, bool(biases), gated,
                      rope and (rope.head_dim, rope.eps, rope.norm is not None),
                      pages is not None, residual is not None, x_norm and x_norm.eps, activation,
-                     bool(scales), bool(x_scale), hadamard, tile_heads)
+                     bool(scales), bool(x_scale), hadamard, tile_heads, x_tile_heads)
     scalars = [jnp.asarray(layer, jnp.int32).reshape(1)] + (
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
@@ -581,7 +592,7 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(tokens // blocks.rows, width // blocks.columns),
-            in_specs=[pl.BlockSpec((blocks.rows, depth), lambda i, j, *_: (i, 0))]
+            in_specs=[pl.BlockSpec((blocks.rows, x.shape[1]), lambda i, j, *_: (i, 0))]
             + [pl.BlockSpec((blocks.rows, 1), lambda i, j, *_: (i, 0))] * len(x_scale)
             + [pl.BlockSpec(memory_space=pltpu.HBM)] * len(stacks)
             + [pl.BlockSpec((1, blocks.columns), lambda i, j, *_: (0, j))] * len(biases)
@@ -606,7 +617,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
             bytes_accessed=projection_bytes(
                 tokens, depth, width, n, outputs, x.dtype.itemsize,
                 jnp.dtype(out_dtype).itemsize, blocks,
-                lane_group(rope.head_dim) if rope else 0, weights[0].dtype.itemsize, spread)),
+                lane_group(rope.head_dim) if rope else 0, weights[0].dtype.itemsize, spread,
+                x_spread)),
         interpret=interpret,
     )(*scalars, *operands, *out.operands())
 
@@ -615,15 +627,21 @@ def _check_tile_heads(head_dim: int, width: int, rope: HeadRope | None,
                       gated_or_residual: bool) -> int:
     """How many times wider the outputs are written with heads of `head_dim` lanes a lane tile
     each (1 without)."""
+    if head_dim and (gated_or_residual or (rope is not None and rope.head_dim != head_dim)):
+        raise ValueError(f"heads of {head_dim} lanes a lane tile each take RoPE of that head "
+                         f"dim (got {getattr(rope, 'head_dim', None)}); not a gated call's or "
+                         "one with a residual")
+    return tile_spread(head_dim, width)
+
+
+def _check_x_tile_heads(head_dim: int, x, x_norm: "InputNorm | None") -> int:
+    """How many times wider x comes than its packed heads (1: as it is)."""
     if not head_dim:
         return 1
-    if (head_dim >= LANES or LANES % head_dim or width % LANES or gated_or_residual
-            or (rope is not None and rope.head_dim != head_dim)):
-        raise ValueError(f"heads of {head_dim} lanes a lane tile each take a head dim dividing "
-                         f"{LANES}, products of whole lane tiles ({width}) and RoPE of that "
-                         f"head dim ({getattr(rope, 'head_dim', None)}); not a gated call's or "
-                         "one with a residual")
-    return LANES // head_dim
+    if x.ndim != 2 or x.shape[1] % LANES or x_norm is not None:
+        raise ValueError(f"x's heads of {head_dim} lanes a lane tile each take x [T, heads x "
+                         f"{LANES}] and no x norm, got x {x.shape}")
+    return tile_spread(head_dim, x.shape[1] // LANES * head_dim)
 
 
 def consecutive_steps(block_pages, pages_per_step: int):
@@ -805,8 +823,8 @@ def _rope_operands(rope: HeadRope | None, tokens: int, width: int, blocks: Proje
 def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None,
             rope: HeadRope | None = None, pages: PageWrite | None = None, residual=None,
             x_norm: InputNorm | None = None, scales: tuple = (), name: str = "project",
-            blocks: ProjectionBlocks | None = None, tile_heads: int = 0, interpret=False
-            ) -> tuple:
+            blocks: ProjectionBlocks | None = None, tile_heads: int = 0,
+            x_tile_heads: int = 0, interpret=False) -> tuple:
     """x @ w (+ b) for each weight [in, out] (and its bias [out], for all or none), in
     `out_dtype` (default x's). With `layer` (an int32 scalar), each weight is a stack
     [layers, in, out] read at that layer, or a group of n weights [layers, n, in, out] (k's and
@@ -817,12 +835,14 @@ def project(x, weights: tuple, biases: tuple = (), *, layer=None, out_dtype=None
     float32 [out] for each weight (at the layer), and x is quantized per token (W8A8,
     kernels.int8). With `tile_heads` (a head dim under 128 lanes that divides them), each
     output's heads go each into a lane tile of its own, zeros after them: [T, heads x 128],
-    the KV pool's and the attention kernel's layout. `name`: the kernel's, one per call site
-    (a study prices each)."""
+    the KV pool's and the attention kernel's layout; with `x_tile_heads`, x comes so (the
+    attention's output) and its heads are packed first. `name`: the kernel's, one per call
+    site (a study prices each)."""
     return tuple(_call(x, tuple(weights), tuple(biases), layer, gated=False,
                        out_dtype=out_dtype or x.dtype, name=name, blocks=blocks, rope=rope,
                        interpret=interpret, pages=pages, residual=residual, x_norm=x_norm,
-                       scales=tuple(scales), tile_heads=tile_heads))
+                       scales=tuple(scales), tile_heads=tile_heads,
+                       x_tile_heads=x_tile_heads))
 
 
 def gated_up(x, w_gate, w_up, *, layer=None, x_norm: InputNorm | None = None,
@@ -849,10 +869,12 @@ def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_
                       rope: HeadRope | None = None, pages: PageWrite | None = None,
                       residual=None, x_norm: InputNorm | None = None, scales: tuple = (),
                       name: str = "project", blocks=None, tile_heads: int = 0,
-                      interpret=False) -> tuple:
+                      x_tile_heads: int = 0, interpret=False) -> tuple:
     """Plain JAX, the same contract: the model's RMSNorm and XLA dots (and the norm and RoPE
     kernel's reference), and the pages written block by block."""
     del name, blocks, interpret
+    if _check_x_tile_heads(x_tile_heads, x, x_norm) > 1:
+        x = heads_from_tiles(x, x_tile_heads)
     check_projection_shapes(x, tuple(weights), tuple(biases), layer, tuple(scales))
     x = _normed_reference(x, x_norm)
     products = _products_reference(x, _at_layer(tuple(weights), layer), tuple(scales))
@@ -865,14 +887,8 @@ def project_reference(x, weights: tuple, biases: tuple = (), *, layer=None, out_
         outs = (residual + outs[0],)
     if tile_heads:
         _check_tile_heads(tile_heads, outs[0].shape[1], rope, residual is not None)
-        outs = tuple(_heads_in_tiles(y, tile_heads) for y in outs)
+        outs = tuple(heads_in_tiles(y, tile_heads) for y in outs)
     return outs if pages is None else _pages_reference(outs, pages, layer)
-
-
-def _heads_in_tiles(y, head_dim: int):
-    """[T, heads x head_dim] -> [T, heads x 128], each head's lanes first in its tile."""
-    heads = y.reshape(y.shape[0], -1, head_dim)
-    return jnp.pad(heads, ((0, 0), (0, 0), (0, LANES - head_dim))).reshape(y.shape[0], -1)
 
 
 def _pages_reference(outs: tuple, pages: PageWrite, layer) -> tuple:

@@ -165,14 +165,16 @@ def _finished(y, dtype, bias=None, shards: ShardPlan | None = None,
 
 
 Project = Callable  # (x, pairs, call, shards=None, rope=None, pages=None, residual=None,
-#                      x_norm=None) -> x @ each (weight, bias) pair's weight (+ its bias,
-#                      where the model has it) in x's dtype (with `residual`, one pair's,
-#                      added to it); with `shards` the weights are split by rows and the
-#                      partial sums all-reduced. `call` names a kernel call (one for all the
-#                      pairs). The kernel's only: `rope` (kernels.rope_kernel.HeadRope), the
-#                      first product's heads normed and rotated in the kernel; `pages`
-#                      (kernels.projection_kernel.PageWrite), k's and v's products written
-#                      into the pools it returns; `x_norm` (InputNorm), x RMS-normed first.
+#                      x_norm=None, tile_heads=0, x_tile_heads=0) -> x @ each (weight, bias)
+#                      pair's weight (+ its bias, where the model has it) in x's dtype (with
+#                      `residual`, one pair's, added to it); with `shards` the weights are split
+#                      by rows and the partial sums all-reduced. `call` names a kernel call (one
+#                      for all the pairs). The kernel's only: `rope`
+#                      (kernels.rope_kernel.HeadRope), the first product's heads normed and
+#                      rotated in the kernel; `pages` (kernels.projection_kernel.PageWrite), k's
+#                      and v's products written into the pools it returns; `x_norm` (InputNorm),
+#                      x RMS-normed first; `tile_heads`, `x_tile_heads`: the outputs' or x's
+#                      heads of that many lanes a lane tile each (kernels.head_tiles).
 
 
 def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: Dot,
@@ -184,11 +186,12 @@ def _layer_projections(kernels: KernelSet, lp: dict, stacked: dict, layer, dot: 
     if kernels.project is not None:
         return functools.partial(_kernel_projections, kernels.project, lp, stacked, layer)
 
-    def xla(x, pairs, call, shards=None, rope=None, residual=None, x_norm=None):
+    def xla(x, pairs, call, shards=None, rope=None, residual=None, x_norm=None,
+            x_tile_heads=0):
         del call
-        if rope is not None or x_norm is not None:
-            raise ValueError("RoPE and x's norm in the projections need the projection "
-                             "kernel")
+        if rope is not None or x_norm is not None or x_tile_heads:
+            raise ValueError("RoPE, x's norm and heads a lane tile each in the projections "
+                             "need the projection kernel")
         if tuple(w for w, _ in pairs) == KV_WEIGHTS and KV_GROUP in lp:
             return tuple(_finished(y, x.dtype, lp.get(b), shards)
                          for y, (_, b) in zip(_kv_products(x, lp), pairs))
@@ -223,7 +226,8 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int, int]]:
 
 def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pairs, call: str,
                         shards=None, rope=None, pages: PageWrite | None = None,
-                        residual=None, x_norm: InputNorm | None = None, tile_heads: int = 0):
+                        residual=None, x_norm: InputNorm | None = None, tile_heads: int = 0,
+                        x_tile_heads: int = 0):
     """Split weights give float32 partial sums, all-reduced before the bias (as XLA's dots)
     and the residual; RoPE and pages take whole products (q's, k's and v's projections are
     split by columns, not rows)."""
@@ -235,11 +239,12 @@ def _kernel_projections(kernel: Callable, lp: dict, stacked: dict, layer, x, pai
                       scales=scales, name=call, tile_heads=tile_heads)
     if shards is None or not shards.sharded:
         return kernel(x, weights, biases, layer=layer, rope=rope, residual=residual,
-                      x_norm=x_norm, scales=scales, name=call)
+                      x_norm=x_norm, scales=scales, name=call, x_tile_heads=x_tile_heads)
     if rope is not None or x_norm is not None:
         raise ValueError("RoPE and x's norm need whole products, not a row-split "
                          "projection's")
-    sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, scales=scales, name=call)
+    sums = kernel(x, weights, layer=layer, out_dtype=jnp.float32, scales=scales, name=call,
+                  x_tile_heads=x_tile_heads)
     return _plus(residual, tuple(_finished(y, x.dtype, lp.get(b), shards)
                                  for y, (_, b) in zip(sums, pairs)))
 
@@ -432,7 +437,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         windows = {"window": window} if cfg.windowed else {}
         attn = kernels.attend(q, k_pages, v_pages, layer, _layer_plan(batch.attention, window),
                               **windows)
-        attn = attn[..., :cfg.head_dim].reshape(attn.shape[0], -1)
+        attn, attn_tiles = _attention_output(cfg, kernels, attn)
     if cfg.sandwich_norms:
         x = _sandwiched_sublayers(cfg, shards, kernels, lp, stacked, layer, project, x, attn,
                                   norms_in, feature_major)
@@ -445,7 +450,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
         return (x, KVCache(k_pages, v_pages)), None
     with jax.named_scope("out_proj"):
         (x,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
-                       shards, residual=x)
+                       shards, residual=x, x_tile_heads=attn_tiles)
     with jax.named_scope("mlp"):
         if kernels.mlp is not None:
             x = _mlp_kernel(kernels.mlp, stacked, layer, x, mlp_norm, shards)
@@ -453,6 +458,20 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
             x = _mlp_sublayer(cfg, kernels, lp, stacked, layer, project, x, norms_in,
                               feature_major, shards, residual=x)
     return (x, KVCache(k_pages, v_pages)), None
+
+
+def _attention_output(cfg: ModelConfig, kernels: KernelSet, attn) -> tuple:
+    """The attention's output [T, heads, the pool's D] as the output projection takes it,
+    [T, heads x D], and the head dim of heads that stay a lane tile each (the projection
+    kernel packs them in VMEM), or 0 where they are sliced out here (XLA's dots, Gemma's
+    sandwiched sublayers, heads that do not divide a tile, and the MLP kernel's output
+    projection: given them so, XLA moved whole weight stacks into VMEM every layer,
+    docs/tpu_v6e.md)."""
+    tokens, _, d = attn.shape
+    if (d != cfg.head_dim and d % cfg.head_dim == 0 and kernels.project is not None
+            and kernels.out_and_mlp is None and not cfg.sandwich_norms):
+        return attn.reshape(tokens, -1), cfg.head_dim
+    return attn[..., :cfg.head_dim].reshape(tokens, -1), 0
 
 
 def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict, layer,

@@ -51,7 +51,8 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
     projection on its kernel (the weights read from the stacks at the layer; Qwen2's q, k and
     v biases), the layer's input norms in the kernels that read them, q's and k's norm and
     RoPE in the q and k projections, and k and v written into their pages by their
-    projection (heads of 32 each into a lane tile of the pool's, as is q); or, with
+    projection (heads of 32 each into a lane tile of the pool's, as is q, and so the output
+    projection takes the attention's); or, with
     too few tokens for the projection kernels, in the norm and RoPE kernel: the Pallas
     kernels in the TPU interpreter score as the dense reference."""
     from kernels import backends, projection_kernel
@@ -75,31 +76,36 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
             getattr(backends, name), projected,
             lambda kw: (kw["name"], kw["rope"].head_dim if kw.get("rope") else None,
                         kw.get("pages") is not None, kw.get("x_norm") is not None,
-                        kw.get("tile_heads", 0))))
+                        kw.get("tile_heads", 0), kw.get("x_tile_heads", 0))))
     path = write_checkpoint(str(tmp_path / family), family, seed=5, hidden_size=128,
                             intermediate_size=256, **overrides)
     cfg = _scores_as_reference(path)
     want = {(name, head_dim if name in decoder.ROTATED_PROJECTIONS else None,
              name == "project_kv", name in ("project_q", "project_kv", "gate_up"),
-             head_dim if head_dim % 128 and name in decoder.ROTATED_PROJECTIONS else 0)
+             head_dim if head_dim % 128 and name in decoder.ROTATED_PROJECTIONS else 0,
+             head_dim if head_dim % 128 and name == "project_out" else 0)
             for name in decoder.projection_shapes(cfg)}
     assert set(projected) == (want if projections else set())
     assert set(traced) == (set() if projections else {head_dim})
 
 
-@pytest.mark.parametrize("tp, fused", [(1, "out_and_mlp"), (2, "mlp")])
-def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, tp, fused):
-    """Qwen3's layer after its attention in one kernel (the output projection and its
-    residual add, the MLP's norm, gate and up, down and its residual add) on one device;
-    split over two, the MLP alone (its row-split down's float32 partial sums all-reduced
-    before the residual add, as the output projection's): the Pallas kernels in the TPU
-    interpreter score as the dense reference, and the gate and up's kernel no longer runs."""
+@pytest.mark.parametrize("family, overrides, tp, fused", [
+    ("qwen3", dict(head_dim=128), 1, "out_and_mlp"), ("qwen3", dict(head_dim=128), 2, "mlp"),
+    ("llama", dict(num_key_value_heads=4), 1, "out_and_mlp")])
+def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, family, overrides, tp,
+                                                fused):
+    """The layer after its attention in one kernel (the output projection and its residual
+    add, the MLP's norm, gate and up, down and its residual add) on one device, Llama's
+    heads of 32 taken out of their lane tiles before it; split over two, the MLP alone (its
+    row-split down's float32 partial sums all-reduced before the residual add, as the
+    output projection's): the Pallas kernels in the TPU interpreter score as the dense
+    reference, and the gate and up's kernel no longer runs."""
     from tests.tiny_models import write_checkpoint
     called = _counted_kernels(monkeypatch, ("gated_up", "mlp", "out_and_mlp"),
                               lambda name, kw: name)
-    _scores_as_reference(write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=6,
+    _scores_as_reference(write_checkpoint(str(tmp_path / family), family, seed=6,
                                           hidden_size=128, intermediate_size=512,
-                                          head_dim=128), tp_size=tp)
+                                          **overrides), tp_size=tp)
     assert set(called) == {fused}
 
 

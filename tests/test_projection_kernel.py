@@ -355,10 +355,12 @@ def test_x_normed_in_the_kernel_is_the_models_norm(dtype, norm_dtype, blocks):
 def test_narrow_heads_go_each_into_a_lane_tile(dtype, head_dim):
     """With tile_heads, q's heads (RoPE'd) and k's and v's (into pages) come out each in a
     lane tile of its own, zeros after it: the reference's products padded head by head, the
-    pool's untouched pages and layers as they were, with race detection; a
+    pool's untouched pages and layers as they were, with race detection; with x_tile_heads,
+    the output projection takes the attention's heads so, whatever lies after them; a
     residual, RoPE of another head dim, or a head dim that does not divide 128 are refused."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    from kernels.projection_kernel import PageWrite
+    from kernels.head_tiles import heads_in_tiles
+    from kernels.projection_kernel import InputNorm, PageWrite
     from kernels.rope_kernel import HeadRope, rope_lane_tables
     heads = 256 // head_dim
     x, wq, kv, b, k_pool, v_pool = _arrays(dtype, 3, (64, 256), (2, 256, 512),
@@ -386,12 +388,22 @@ def test_narrow_heads_go_each_into_a_lane_tile(dtype, head_dim):
         np.testing.assert_array_equal(_f32(g[1, :, 2]), _f32(pool[1, :, 2]))
         np.testing.assert_array_equal(_f32(g[0]), _f32(pool[0]))
     assert not interpret_pallas_call.races.races_found
+    tiled = (heads_in_tiles(x, head_dim) + 7 * (jnp.arange(256 // head_dim * 128) % 128
+                                                >= head_dim)).astype(dtype)
+    (residual,) = _arrays(dtype, 4, (64, 512))
+    (out,) = project(tiled, (wq,), layer=jnp.int32(1), residual=residual,
+                     x_tile_heads=head_dim, interpret=interpret)
+    np.testing.assert_allclose(_f32(out), _f32(project_reference(
+        x, (wq,), layer=1, residual=residual)[0]), **tol)  # after a head: not read
     for bad in (dict(residual=jnp.zeros((64, 512), dtype), tile_heads=head_dim),
                 dict(rope=HeadRope(*rope_lane_tables(jnp.arange(64), 128, 1e6), None, 128,
                                    1e-6), tile_heads=head_dim),
                 dict(tile_heads=96)):
         with pytest.raises(ValueError, match="a lane tile each"):
             project(x, (wq,), layer=1, interpret=True, **bad)
+    with pytest.raises(ValueError, match="a lane tile each take x"):
+        project(tiled, (wq,), layer=1, x_norm=InputNorm(jnp.ones(256, dtype), 1e-6),
+                x_tile_heads=head_dim, interpret=True)
 
 
 def test_bad_rope_operands_are_refused():
@@ -453,23 +465,25 @@ def _buckets():
 def test_blocks_fit_vmem_and_read_each_operand_once_where_it_fits(model):
     """Every layer's projection at every bucket up to 8,192 tokens: the blocks divide the
     operands, fit the kernel's VMEM limit double-buffered with their float32 products (q's,
-    k's and v's outputs twice as wide with heads of 64, each in a lane tile), and the weights
-    (or, where they do not fit, the tokens) are read from HBM once."""
+    k's and v's outputs, and the output projection's x, twice as wide with heads of 64, each
+    in a lane tile), and the weights (or, where they do not fit, the tokens) are read from
+    HBM once."""
     from kernels import projection_kernel as pk
     cfg = STUDY_MODELS[model]
     for tokens in _buckets():
         for name, (depth, width, weights, outputs) in decoder.projection_shapes(cfg).items():
-            spread = (128 // cfg.head_dim
-                      if name in decoder.ROTATED_PROJECTIONS and cfg.head_dim < 128 else 1)
+            tiles = 128 // cfg.head_dim if cfg.head_dim < 128 else 1
+            spread = tiles if name in decoder.ROTATED_PROJECTIONS else 1
+            x_spread = tiles if name == "project_out" else 1
             blocks = projection_blocks(tokens, depth, width, weights, 2)
             assert tokens % blocks.rows == 0 and width % blocks.columns == 0
-            step = (blocks.rows * depth + weights * depth * blocks.columns
+            step = (blocks.rows * depth * x_spread + weights * depth * blocks.columns
                     + outputs * blocks.rows * blocks.columns * spread) * 2
             products = 4 * weights * blocks.rows * blocks.columns
             assert 2 * step + products <= pk._VMEM_LIMIT_BYTES, (tokens, name, blocks)
             moved = projection_bytes(tokens, depth, width, weights, outputs, 2, 2, blocks,
-                                     spread=spread)
-            least = 2 * (tokens * depth + weights * depth * width
+                                     spread=spread, x_spread=x_spread)
+            least = 2 * (tokens * depth * x_spread + weights * depth * width
                          + outputs * tokens * width * spread)
             if (tokens * depth * 2 <= pk._TOKENS_WHOLE_BYTES
                     or weights * depth * width * 2 <= pk._WEIGHTS_WHOLE_BYTES):

@@ -83,7 +83,9 @@ def test_server_programs_of_the_embedded_model_compile_for_v6e(embedded_config):
 
 
 # TP 1 of Qwen3-0.6B: its largest program, in the test after this one. Whether a shard's
-# projections take their kernel: Qwen2.5-0.5B's q is 448 wide a shard at TP 2.
+# projections take their kernel: Qwen2.5-0.5B's q is 448 wide a shard at TP 2. Heads of 64
+# (Qwen2.5-0.5B, Llama-3.2-1B) come from the attention a lane tile each to the output
+# projection's kernel, whole at TP 1 and split by rows at TP 4.
 TENSOR_PARALLEL = [("SmolLM2-135M", 3, 512, KERNELS), ("Qwen3-0.6B", 4, 2048, MLP_SPLIT),
                    ("Qwen2.5-0.5B", 1, 512, INTO_PAGES),
                    ("Qwen2.5-0.5B", 2, 512, KERNELS),

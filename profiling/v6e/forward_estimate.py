@@ -167,10 +167,13 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
              if into_pages else {})
     spread = d // cfg.head_dim if into_pages else 1  # q's, k's and v's heads a lane tile each
+    attn_spread = (d // cfg.head_dim if d % cfg.head_dim == 0 and not cfg.sandwich_norms
+                   and "out_and_mlp" not in schedules else 1)  # decoder._attention_output
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
         blocks[name], paged.get(name), _weight_itemsize(cfg),
-        spread if name in ROTATED_PROJECTIONS else 1)
+        spread if name in ROTATED_PROJECTIONS else 1,
+        attn_spread if name == "project_out" else 1)
         for name, dims in projection_shapes(cfg).items()
         if name in schedules}  # weights it takes (kernels.projection_kernel)
     quantized = {quantize_kernel_name(name): quantize_estimate(

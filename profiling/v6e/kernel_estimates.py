@@ -205,7 +205,7 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
                         weights: int, outputs: int, itemsize: int, rope_group: int = 0,
                         blocks: ProjectionBlocks | None = None,
                         pages: PageRuns | None = None, weight_itemsize: int | None = None,
-                        spread: int = 1) -> dict:
+                        spread: int = 1, x_spread: int = 1) -> dict:
     """A projection kernel (kernels.projection_kernel) over `tokens`, with RoPE's tables of
     `rope_group` lanes where it rotates, in `blocks` (default: the projection's own): its
     fill (the first block of x and the first chunk of the first weight block, copied in
@@ -220,19 +220,21 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
     are copied while it computes), and a branch that copies them a page at a time is taken
     in the steps `pages` says. int8 weights: `weight_itemsize` 1 (x's `itemsize` else); x
     then comes int8 where a step holds a block of the columns (`quantize_estimate` prices
-    the kernel quantizing it). `spread`: how much wider its outputs are written than its
-    products (heads a lane tile each: projection_kernel.project's `tile_heads`)."""
+    the kernel quantizing it). `spread`, `x_spread`: how much wider its outputs are written
+    than its products, and x comes than it multiplies (heads a lane tile each:
+    projection_kernel.project's `tile_heads`, `x_tile_heads`)."""
     blocks = blocks or projection_blocks(tokens, depth, width, weights, itemsize,
                                          weight_itemsize)
     x_itemsize = 1 if x_comes_quantized(blocks, width, weight_itemsize == 1) else itemsize
+    x_spread = 1 if x_itemsize == 1 else x_spread  # XLA packs it for the quantize kernel
     steps = blocks.steps(tokens, width)
     block_weights = weights * depth * blocks.columns * (weight_itemsize or itemsize)
     chunk = first_chunk_columns(width, blocks)
-    fill = blocks.rows * depth * x_itemsize + block_weights * chunk // blocks.columns
+    fill = blocks.rows * depth * x_spread * x_itemsize + block_weights * chunk // blocks.columns
     later = block_weights - block_weights * chunk // blocks.columns  # during the first step
     drain = outputs * blocks.rows * blocks.columns * spread * itemsize
     step_bytes = (projection_bytes(tokens, depth, width, weights, outputs, x_itemsize, itemsize,
-                                   blocks, rope_group, weight_itemsize, spread)
+                                   blocks, rope_group, weight_itemsize, spread, x_spread)
                   - fill - later - drain) / steps
     first, others = _first_step_bundles(schedule, chunk < blocks.columns and steps > 1,
                                         pages)
@@ -253,8 +255,9 @@ def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
     residual, and the first chunk of the weights it waits for first), its first step (the
     rest of the weights arriving while it computes, each group of chunks' products after their
     group: the larger of its bundles and those bytes plus the share of its bundles, by FLOPs,
-    of the last group's down products, which wait for down's last rows), its other steps (each the larger of its bundles and its share of the
-    bytes), its drain (the last output block) and its grid steps."""
+    of the last group's down products, which wait for down's last rows), its other steps
+    (each the larger of its bundles and its share of the bytes), its drain (the last output
+    block) and its grid steps."""
     rows = mlp_rows(tokens)
     steps = tokens // rows
     chunk, out_chunk = (first_chunk_columns(w, ProjectionBlocks(rows, w))
