@@ -78,9 +78,11 @@ def projection_blocks(tokens: int, depth: int, width: int, weights: int,
     tokens' as large as fit (the weights read once per block of tokens). `itemsize`: x's;
     `weight_itemsize`: the weights' (int8's 1), by default x's."""
     weight_bytes = weights * depth * (weight_itemsize or itemsize)  # a column's
+    # a deep contraction's weight blocks grow past _BLOCK_WEIGHT_BYTES to the MXU's width
+    block_weight_bytes = max(_BLOCK_WEIGHT_BYTES, weight_bytes * _MIN_COLUMNS)
 
     def columns(rows: int, most: int) -> int:
-        return _columns(width, lambda c: c <= most and weight_bytes * c <= _BLOCK_WEIGHT_BYTES
+        return _columns(width, lambda c: c <= most and weight_bytes * c <= block_weight_bytes
                         and rows * c * weights * 4 <= _PRODUCT_BYTES)
     streamed = (weight_bytes * width <= _WEIGHTS_WHOLE_BYTES
                 and row_block(tokens, lambda r: r <= _MAX_ROWS
