@@ -307,7 +307,7 @@ def _q_and_kv_pages(cfg: ModelConfig, kernels: KernelSet, project: Project, lp: 
     q_rope, k_rope = _head_ropes(cfg, kernels, lp, cos, sin)
     q_call, kv_call = ROTATED_PROJECTIONS
     d = cache.k.shape[-1]
-    tile_heads = cfg.head_dim if d != cfg.head_dim else 0
+    tile_heads = tiled_head_dim(cfg, d)
     (q,) = project(h, (("wq", "bq"),), q_call, rope=q_rope, x_norm=h_norm,
                    tile_heads=tile_heads)
     k_pages, v_pages = project(h, (("wk", "bk"), ("wv", "bv")), kv_call, rope=k_rope,
@@ -468,10 +468,18 @@ def _attention_output(cfg: ModelConfig, kernels: KernelSet, attn) -> tuple:
     projection: given them so, XLA moved whole weight stacks into VMEM every layer,
     docs/tpu_v6e.md)."""
     tokens, _, d = attn.shape
-    if (d != cfg.head_dim and d % cfg.head_dim == 0 and kernels.project is not None
-            and kernels.out_and_mlp is None and not cfg.sandwich_norms):
-        return attn.reshape(tokens, -1), cfg.head_dim
+    tiles = tiled_head_dim(cfg, d)
+    if (tiles and kernels.project is not None and kernels.out_and_mlp is None
+            and not cfg.sandwich_norms):
+        return attn.reshape(tokens, -1), tiles
     return attn[..., :cfg.head_dim].reshape(tokens, -1), 0
+
+
+def tiled_head_dim(cfg: ModelConfig, pool_d: int) -> int:
+    """The head dim of heads narrower than the pool's `pool_d` lanes that the projection
+    kernels put a lane tile each (kernels.head_tiles); 0 where heads fill the pool's head dim
+    or do not divide it."""
+    return cfg.head_dim if pool_d != cfg.head_dim and pool_d % cfg.head_dim == 0 else 0
 
 
 def _mlp_sublayer(cfg: ModelConfig, kernels: KernelSet, lp: dict, stacked: dict, layer,

@@ -34,6 +34,7 @@ from model.decoder import (
     plan_windows,
     pool_head_dim,
     projection_shapes,
+    tiled_head_dim,
 )
 from profiling.v6e.kernel_estimates import (
     GATHER_KERNELS,
@@ -166,8 +167,9 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     blocks = _projection_blocks(cfg, shape.tokens, page_size, into_pages)
     paged = ({"project_kv": _page_runs(batch, blocks["project_kv"], page_size)}
              if into_pages else {})
-    spread = d // cfg.head_dim if into_pages else 1  # q's, k's and v's heads a lane tile each
-    attn_spread = (d // cfg.head_dim if d % cfg.head_dim == 0 and not cfg.sandwich_norms
+    tiles = tiled_head_dim(cfg, d)  # q's, k's and v's heads a lane tile each, into pages
+    spread = d // tiles if tiles and into_pages else 1
+    attn_spread = (d // tiles if tiles and not cfg.sandwich_norms
                    and "out_and_mlp" not in schedules else 1)  # decoder._attention_output
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
