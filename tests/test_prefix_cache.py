@@ -1,5 +1,5 @@
 """The page pool and the prefix cache on their own: sharing, LRU eviction, rollback."""
-import time
+import sys
 
 import numpy as np
 import pytest
@@ -102,24 +102,32 @@ def full_cache(num_pages: int, chain: int = 8):
     return pool, cache
 
 
-def seconds_per_eviction(cache, evictions: int) -> float:
-    start = time.perf_counter()
-    for _ in range(evictions):
-        assert cache.evict(1) == 1
-    return (time.perf_counter() - start) / evictions
+def calls_per_eviction(cache, evictions: int) -> float:
+    """Python and C functions called per page evicted: a measure of work that, unlike time,
+    neither another process on the machine nor the larger tree's memory moves."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        freed = [cache.evict(1) for _ in range(evictions)]
+    finally:
+        sys.setprofile(None)
+    assert freed == [1] * evictions
+    return calls / evictions
 
 
 def test_evicting_a_page_costs_the_same_in_a_pool_of_a_million_tokens():
     """Eviction never walks the tree: a page from a full cache of 1M tokens (65,536 pages of
-    16) costs about what it costs from one ten times smaller (a walk would cost ten times as
-    much; the larger tree's memory alone made it 1.1-1.2x, and 1.6x once inside the whole
-    suite's process, 2026-12-02). Best of five rounds each, in turn."""
+    16) takes as many calls as one from a cache ten times smaller (a walk would take ten
+    times as many). Counted, not timed: a timed version (best of five rounds) failed CI once
+    at 3.0x with another test process on the machine (2026-12-03)."""
     large, small = full_cache(65536)[1], full_cache(6552)[1]
-    best = {"large": np.inf, "small": np.inf}
-    for _ in range(5):
-        best["large"] = min(best["large"], seconds_per_eviction(large, 1000))
-        best["small"] = min(best["small"], seconds_per_eviction(small, 1000))
-    assert best["large"] < 3 * best["small"], best
+    per_page = {"large": calls_per_eviction(large, 1000), "small": calls_per_eviction(small, 1000)}
+    assert per_page["large"] <= 1.25 * per_page["small"], per_page
 
 
 @pytest.mark.parametrize("seed", range(3))
