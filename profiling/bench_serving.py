@@ -50,7 +50,7 @@ from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.request import parse_score_request
-from server.http import Limits, encode_response, read_request
+from server.http import Limits, ReadDeadlines, encode_response, read_request
 from server.json_codec import parse_json
 
 FLAGS = flags.FLAGS
@@ -230,12 +230,12 @@ def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0
                                        "total_tokens": 300}}
 
     async def read_all(data: list[bytes]) -> tuple[float, list]:
-        start, out = time.perf_counter(), []
+        start, out, deadlines = time.perf_counter(), [], ReadDeadlines(Limits().sweep_s)
         for one in data:
             reader = asyncio.StreamReader()
             reader.feed_data(one)
             reader.feed_eof()
-            out.append(await read_request(reader, Limits(), None))
+            out.append(await read_request(reader, Limits(), deadlines))
         return (time.perf_counter() - start) / len(data) * 1e6, out
 
     def passes(stage, inputs) -> tuple[float, list]:

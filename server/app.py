@@ -32,6 +32,7 @@ from server.access_log import AccessLog
 from server.http import (
     HttpError,
     Limits,
+    ReadDeadlines,
     Request,
     encode_response,
     error_body,
@@ -95,6 +96,7 @@ class ScoreServer:
         self._waiting: dict[asyncio.Future, Callable[[], bool]] = {}  # results, client gone?
         self._clients_gone: set[asyncio.Future] = set()
         self._watch: asyncio.Task | None = None  # looks for them every gone_poll_s
+        self._deadlines = ReadDeadlines(config.limits.sweep_s)
         self._results: LoopFutures | None = None  # the engine's futures, on the loop
         self._access_log = AccessLog()
         self._text_batches = TextBatches(engine.submit_all)
@@ -135,6 +137,7 @@ class ScoreServer:
             await asyncio.sleep(0.02)
         if self._watch is not None:
             self._watch.cancel()
+        self._deadlines.close()
         for task in self._connections:
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
@@ -175,14 +178,15 @@ class ScoreServer:
 
     async def _serve_one(self, reader, writer, over_limit: bool) -> bool:
         """Reads and answers one request; False when the connection is to be closed."""
-        first = await request_begins(reader, self.config.limits)
+        first = await request_begins(reader, self.config.limits, self._deadlines)
         self._unopened.discard(asyncio.current_task())
         if first is None:
             return False
         self._busy += 1
         try:
             try:
-                req = await read_request_from(first, reader, self.config.limits, writer)
+                req = await read_request_from(first, reader, self.config.limits,
+                                              self._deadlines, writer)
             except HttpError as e:
                 await self._respond(writer, None, time.perf_counter(), self._error(e), False)
                 return False

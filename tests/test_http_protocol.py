@@ -1,5 +1,6 @@
 """HTTP/1.1 framing over raw sockets: malformed input, chunked bodies, Expect, pipelining,
 HEAD, and the per-connection limits."""
+import asyncio
 import json
 import re
 import select
@@ -11,7 +12,7 @@ import pytest
 
 from runtime.errors import STATUSES
 from server.app import ServerConfig
-from server.http import Limits
+from server.http import Limits, ReadDeadlines, ReadTimeout
 from tests.assertions import assert_scores_close
 from tests.server_harness import (
     OK,
@@ -149,6 +150,34 @@ def test_slow_clients_are_cut_off_with_408_while_others_are_served(tight_server,
     assert answer.startswith(b"HTTP/1.1 408 ") and what in answer, answer[:200]
     assert b"Connection: close" in answer
     assert 0.5 <= seconds < len(slow) * 0.02  # cut off at the timeout, before it finished
+
+
+def test_read_deadlines_fail_only_the_reads_past_their_limit():
+    """One timer for every connection's read limits: a read past its limit raises ReadTimeout
+    within a sweep period of it, a limit cleared in time never fires, and with no limit set
+    no timer is left running."""
+    assert Limits().sweep_s == 1.0 and TIGHT.sweep_s == 0.05
+
+    async def scenario():
+        loop, deadlines = asyncio.get_running_loop(), ReadDeadlines(0.01)
+        slow, quick = asyncio.StreamReader(), asyncio.StreamReader()
+        start = loop.time()
+        deadlines.set(slow, 0.05, "request head")
+        deadlines.set(quick, 0.05, "request body")
+        quick.feed_data(b"x")
+        assert await quick.readexactly(1) == b"x"
+        deadlines.clear(quick)
+        with pytest.raises(ReadTimeout, match="request head not received within 0.05 s"):
+            await slow.readexactly(1)
+        waited = loop.time() - start
+        await asyncio.sleep(0.1)  # past quick's limit, had it stayed
+        quick.feed_data(b"y")
+        assert await quick.readexactly(1) == b"y"
+        return waited, len(asyncio.all_tasks())
+
+    waited, tasks = asyncio.run(scenario())
+    assert 0.05 <= waited < 0.5, waited
+    assert tasks == 1  # the scenario's own: the sweep stopped with no limit left
 
 
 def test_idle_keep_alive_connections_are_closed_quietly(tight_server):
