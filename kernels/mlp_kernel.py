@@ -2,7 +2,9 @@
 output projection and its residual add (`out_and_mlp`), then the MLP: x's RMSNorm, gate and
 up, SiLU(gate) times up, the down projection and the residual add (`mlp` alone, where the
 output projection's partial sums are all-reduced first). A block of 512 tokens a step, the
-weights whole in VMEM, copied in once during the first step.
+weights whole in VMEM, copied in once during the first step. int8 weights (W8A8,
+kernels.int8) multiply their inputs quantized per token in VMEM: the attention's output, x
+after its norm, and the gated product after its Hadamard blocks, whose whole rows are there.
 
 As three projection kernels (kernels.projection_kernel's output projection, gate and up, then
 down), each call paid its own fill and drain that nothing overlaps: a block written to HBM
@@ -15,11 +17,11 @@ after a chunk of the weights, the rest arriving while they run.
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.int8 import dequantized, quantize_tokens
 from kernels.projection_kernel import (
     MIN_TOKENS,
     NORM_MIN_STEPS,
@@ -30,6 +32,7 @@ from kernels.projection_kernel import (
     first_chunk_columns,
     first_step_waits,
     gated_up_reference,
+    hadamard_blocks_in_vmem,
     project_reference,
     sub_block_rows,
 )
@@ -58,12 +61,13 @@ def mlp_kernel_applies(tokens: int, hidden: int, inner: int, itemsize: int,
 
 
 def mlp_bytes(tokens: int, hidden: int, inner: int, itemsize: int, out_itemsize: int,
-              residual: bool, out_depth: int = 0) -> int:
-    """HBM bytes the kernel moves: its input (x, or the attention's output), the weights and
-    the output once, and the residual where it adds one."""
+              residual: bool, out_depth: int = 0, weight_itemsize: int | None = None) -> int:
+    """HBM bytes the kernel moves: its input (x, or the attention's output), the weights (in
+    `weight_itemsize`, by default x's) and the output once, and the residual where it adds
+    one."""
     depth = out_depth or hidden
-    return (tokens * (depth + hidden * residual) + (3 * inner + out_depth) * hidden) * (
-        itemsize) + tokens * hidden * out_itemsize
+    return (tokens * (depth + hidden * residual) * itemsize + (3 * inner + out_depth) * hidden
+            * (weight_itemsize or itemsize) + tokens * hidden * out_itemsize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +79,25 @@ class _Layout:
     out_chunk: int  # 0: no output projection
     residual: bool
     eps: float | None
+    int8: bool = False  # int8 weights; their scales: gate's and up's [2, inner], then wo's
+                        # (where it takes wo) and down's [1 or 2, hidden]
+    hadamard: int = 0   # the gated product times hadamard(n) in each run of n columns
 
     def split(self, refs) -> tuple:
-        """(input, wo, (gate, up, down), residual, norm weight, output, scratch) of refs, a
-        missing one None."""
+        """(input, wo, (gate, up, down), residual, norm weight, scales, output, scratch) of
+        refs, a missing one None (scales: (inner's, hidden's) refs)."""
         refs = list(refs)
         x = refs.pop(0)
         wo = refs.pop(0) if self.out_chunk else None
         stacks = tuple(refs.pop(0) for _ in range(3))
         res = refs.pop(0) if self.residual else None
         norm = refs.pop(0) if self.eps is not None else None
-        return x, wo, stacks, res, norm, refs.pop(0), refs
+        scales = (refs.pop(0), refs.pop(0)) if self.int8 else None
+        return x, wo, stacks, res, norm, scales, refs.pop(0), refs
 
 
 def _kernel(layer_ref, *refs, layout: _Layout):
-    x_ref, wo_hbm, stacks, res_ref, norm_ref, out_ref, scratch = layout.split(refs)
+    x_ref, wo_hbm, stacks, res_ref, norm_ref, scales, out_ref, scratch = layout.split(refs)
     gate, up, down, act, sems, *out_scratch = scratch
     step, layer = pl.program_id(0), layer_ref[0]
     chunk = layout.chunk
@@ -100,7 +108,8 @@ def _kernel(layer_ref, *refs, layout: _Layout):
                 (stacks[1].at[layer, :, columns[c]], up.at[:, columns[c]]),
                 (stacks[2].at[layer, columns[c]], down.at[columns[c]]))
         return [pltpu.make_async_copy(*ends[k], sems.at[c, k]) for k in parts]
-    out = (_OutProjection(wo_hbm, *out_scratch, layer, layout.out_chunk)
+    out = (_OutProjection(wo_hbm, *out_scratch, layer, layout.out_chunk,
+                          None if scales is None else scales[1])
            if layout.out_chunk else None)
 
     @pl.when(step == 0)
@@ -121,8 +130,35 @@ def _kernel(layer_ref, *refs, layout: _Layout):
 
     def products(x, c, first: bool):
         wait(c, first, (0, 1))
-        return [jnp.dot(x, w[:, columns[c]], preferred_element_type=jnp.float32)
-                for w in (gate, up)]
+        if scales is None:
+            return [jnp.dot(x, w[:, columns[c]], preferred_element_type=jnp.float32)
+                    for w in (gate, up)]
+        (xq, x_scale), inner_scales = x, scales[0]
+        return [dequantized(jnp.dot(xq, w[:, columns[c]], preferred_element_type=jnp.int32),
+                            x_scale, inner_scales[pl.ds(k, 1), columns[c]], False)
+                for k, w in enumerate((gate, up))]
+
+    def gated(current):
+        y = finish_gated(current, act.dtype)[0]
+        return hadamard_blocks_in_vmem(y, layout.hadamard) if layout.hadamard else y
+
+    def down_int8(first: bool):
+        """down's int8 product of the gated product quantized per token, whose rows are
+        whole only now: in the first step a chunk of rows at a time, after its chunk of the
+        weights (int32 sums: exact in any order)."""
+        aq, a_scale = quantize_tokens(act[...], axis=1)
+        if not first:
+            acc = jnp.dot(aq, down[...], preferred_element_type=jnp.int32)
+        else:
+            acc = None
+            for c in range(len(columns)):
+                wait(c, first, (2,))
+                part = jnp.dot(aq[:, c * chunk:(c + 1) * chunk], down[columns[c], :],
+                               preferred_element_type=jnp.int32)
+                acc = part if acc is None else acc + part
+        hidden_scales = scales[1]
+        return dequantized(acc, a_scale, hidden_scales[pl.ds(hidden_scales.shape[0] - 1, 1), :],
+                           False)
 
     def run(first: bool):
         """The first step takes down's product a chunk of rows at a time, each after its
@@ -133,17 +169,21 @@ def _kernel(layer_ref, *refs, layout: _Layout):
         x = residual[...] if out is not None else x_ref[...]
         if norm_ref is not None:
             x = rms_norm(x, norm_ref[...], layout.eps).astype(x.dtype)
+        if scales is not None:
+            x = quantize_tokens(x, axis=1)
         y, following = None, products(x, 0, first)
         for c, cols in enumerate(columns):  # the next chunk's products before this epilogue
             current = following
             following = products(x, c + 1, first) if c + 1 < len(columns) else None
-            act[:, cols] = finish_gated(current, act.dtype)[0]
-            if first:  # down's rows waited for only here: the last arrive last
+            act[:, cols] = gated(current)
+            if first and scales is None:  # down's rows waited for only here: the last arrive last
                 wait(c, first, (2,))
                 part = jnp.dot(act[:, cols], down[cols, :],
                                preferred_element_type=jnp.float32)
                 y = part if y is None else y + part
-        if not first:
+        if scales is not None:
+            y = down_int8(first)
+        elif not first:
             y = jnp.dot(act[...], down[...], preferred_element_type=jnp.float32)
         y = y.astype(out_ref.dtype)
         out_ref[...] = added(residual[...], y) if residual is not None else y
@@ -162,6 +202,7 @@ class _OutProjection:
     stream: object  # [rows, hidden]: residual + attn @ wo
     layer: object
     chunk: int
+    scales: object  # int8 wo's: a ref whose first row is its scales [hidden]; else None
 
     def _columns(self) -> list:
         return [pl.ds(c * self.chunk, self.chunk) for c in range(self.wo.shape[1] // self.chunk)]
@@ -177,10 +218,16 @@ class _OutProjection:
         """The stream ref: each chunk's product rounded to its dtype before the residual add,
         as the projection kernel's; the first step's each after its chunk of the weights."""
         attn = attn_ref[...]
+        if self.scales is not None:
+            attn, attn_scale = quantize_tokens(attn, axis=1)
         for c, cols in enumerate(self._columns()):
             if first:
                 self._copy(c, cols).wait()
-            y = jnp.dot(attn, self.wo[:, cols], preferred_element_type=jnp.float32)
+            if self.scales is None:
+                y = jnp.dot(attn, self.wo[:, cols], preferred_element_type=jnp.float32)
+            else:
+                y = dequantized(jnp.dot(attn, self.wo[:, cols], preferred_element_type=jnp.int32),
+                                attn_scale, self.scales[pl.ds(0, 1), cols], False)
             self.stream[:, cols] = added(res_ref[:, cols], y.astype(self.stream.dtype))
         return self.stream
 
@@ -209,39 +256,65 @@ def _check_out_projection(attn, wo, residual, layer) -> None:
                          f"residual {residual.shape} {residual.dtype}, layer {layer}")
 
 
+def _check_scales(weights: tuple, scales: tuple, hadamard: int) -> None:
+    """int8 weights take a float32 scale a column each, [out] at the layer; all or none."""
+    int8 = {w.dtype == jnp.int8 for w in weights}
+    if int8 != {bool(scales)} or (scales and (
+            len(scales) != len(weights)
+            or any(s.shape != (w.shape[-1],) or s.dtype != jnp.float32
+                   for s, w in zip(scales, weights)))):
+        raise ValueError(f"int8 weights take float32 scales [out] for each, float weights "
+                         f"none: got weights {[(w.shape, str(w.dtype)) for w in weights]}, "
+                         f"scales {[(s.shape, str(s.dtype)) for s in scales]}")
+    inner = weights[-1].shape[-2]
+    if hadamard < 0 or hadamard & (hadamard - 1) or (hadamard and LANES % hadamard) or (
+            hadamard and inner % hadamard):
+        raise ValueError(f"hadamard must be 0 or a power of 2 dividing {LANES} and the MLP's "
+                         f"width {inner}, got {hadamard}")
+
+
 def mlp(x, w_gate, w_up, w_down, *, layer=None, x_norm: InputNorm | None = None,
-        residual=None, out_dtype=None, name: str = "mlp", interpret=False):
+        residual=None, out_dtype=None, scales: tuple = (), hadamard: int = 0,
+        name: str = "mlp", interpret=False):
     """(residual +) SiLU(x' @ w_gate) * (x' @ w_up) @ w_down, x' x RMS-normed with `x_norm`
     where given; in `out_dtype` (default x's; float32 for a row-split down projection's
     partial sums, without the residual). With `layer`, the weights are stacks [layers, ...]
     read at that layer where they lie. Rounded where the two projection kernels round: the
-    gate and up's product to x's dtype, then the down product to out_dtype before the add."""
+    gate and up's product to x's dtype, then the down product to out_dtype before the add.
+    int8 weights take `scales`, a float32 [out] for each (at the layer), and multiply their
+    inputs quantized per token (W8A8, kernels.int8); with `hadamard`, the gated product is
+    multiplied by hadamard(n) in each run of n columns before down (an int8 model's)."""
     check_mlp_shapes(x, w_gate, w_up, w_down, layer)
+    _check_scales((w_gate, w_up, w_down), tuple(scales), hadamard)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if residual is not None and (residual.shape != x.shape or residual.dtype != out_dtype):
         raise ValueError(f"a residual {list(x.shape)} in {out_dtype}, got {residual.shape} "
                          f"{residual.dtype}")
-    return _call(x, None, (w_gate, w_up, w_down), layer, x_norm, residual, out_dtype, name,
-                 interpret)
+    return _call(x, None, (w_gate, w_up, w_down), layer, x_norm, residual, out_dtype,
+                 tuple(scales), hadamard, name, interpret)
 
 
 def out_and_mlp(attn, wo, residual, w_gate, w_up, w_down, *, layer=None,
-                x_norm: InputNorm | None = None, name: str = "out_and_mlp", interpret=False):
+                x_norm: InputNorm | None = None, scales: tuple = (), hadamard: int = 0,
+                name: str = "out_and_mlp", interpret=False):
     """The layer after its attention in one kernel: x = residual + attn @ wo, then x + the
     MLP of x (`mlp`'s, normed with `x_norm`), in the residual's dtype; rounded as the output
-    projection's kernel and `mlp`."""
+    projection's kernel and `mlp`. int8: `scales` for wo, gate, up and down, as `mlp`'s."""
     _check_out_projection(attn, wo, residual, layer)
     check_mlp_shapes(residual, w_gate, w_up, w_down, layer)
+    _check_scales((wo, w_gate, w_up, w_down), tuple(scales), hadamard)
     return _call(attn, wo, (w_gate, w_up, w_down), layer, x_norm, residual, residual.dtype,
-                 name, interpret)
+                 tuple(scales), hadamard, name, interpret)
 
 
-def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, name: str, interpret):
+def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, scales: tuple,
+          hadamard: int, name: str, interpret):
     if layer is None:
         stacks, wo = tuple(w[None] for w in stacks), None if wo is None else wo[None]
     (tokens, depth), (hidden, inner) = x.shape, stacks[0].shape[-2:]
     out_depth = 0 if wo is None else depth
-    if not mlp_kernel_applies(tokens, hidden, inner, x.dtype.itemsize, out_depth):
+    weight_itemsize = stacks[0].dtype.itemsize
+    if not mlp_kernel_applies(tokens, hidden, inner, weight_itemsize, out_depth):
         raise ValueError(f"the MLP kernel takes at least {MIN_TOKENS} tokens in "
                          f"{NORM_MIN_STEPS} steps and weights of whole lane tiles, "
                          f"{_WEIGHTS_BYTES >> 20} MiB in all: x {x.shape}, inner {inner}"
@@ -251,12 +324,15 @@ def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, name: str, i
     rows = mlp_rows(tokens)
     columns = lambda width: first_chunk_columns(width, ProjectionBlocks(rows, width))  # noqa: E731
     layout = _Layout(columns(inner), columns(hidden) if wo is not None else 0,
-                     residual is not None, x_norm and x_norm.eps)
+                     residual is not None, x_norm and x_norm.eps, bool(scales), hadamard)
+    # int8 scales: gate's and up's [2, inner]; wo's (where taken) and down's [1 or 2, hidden]
+    scale_operands = [jnp.stack(scales[-3:-1]), jnp.stack(scales[:-3] + scales[-1:])
+                      ] if scales else []
     block = lambda width: pl.BlockSpec((rows, width), lambda i, *_: (i, 0))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
     operands = [x] + ([] if wo is None else [wo]) + list(stacks) + (
         [] if residual is None else [residual]) + (
-        [] if x_norm is None else [x_norm.weight.reshape(1, hidden)])
+        [] if x_norm is None else [x_norm.weight.reshape(1, hidden)]) + scale_operands
     out_scratch = [] if wo is None else [
         pltpu.VMEM(wo.shape[1:], wo.dtype),
         pltpu.SemaphoreType.DMA((hidden // layout.out_chunk,)),
@@ -269,7 +345,8 @@ def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, name: str, i
             grid=(tokens // rows,),
             in_specs=[block(depth)] + [hbm] * (3 + (wo is not None))
             + ([] if residual is None else [block(hidden)])
-            + ([] if x_norm is None else [pl.BlockSpec((1, hidden), lambda i, *_: (0, 0))]),
+            + ([] if x_norm is None else [pl.BlockSpec((1, hidden), lambda i, *_: (0, 0))])
+            + [pl.BlockSpec(s.shape, lambda i, *_: (0, 0)) for s in scale_operands],
             out_specs=block(hidden),
             scratch_shapes=[pltpu.VMEM((hidden, inner), stacks[0].dtype),
                             pltpu.VMEM((hidden, inner), stacks[1].dtype),
@@ -290,26 +367,33 @@ def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, name: str, i
             flops=2 * tokens * hidden * (3 * inner + out_depth),
             transcendentals=tokens * inner,
             bytes_accessed=mlp_bytes(tokens, hidden, inner, x.dtype.itemsize,
-                                     out_dtype.itemsize, residual is not None, out_depth)),
+                                     out_dtype.itemsize, residual is not None, out_depth,
+                                     weight_itemsize)),
         interpret=interpret,
     )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), *operands)
 
 
 def mlp_reference(x, w_gate, w_up, w_down, *, layer=None, x_norm: InputNorm | None = None,
-                  residual=None, out_dtype=None, name: str = "mlp", interpret=False):
+                  residual=None, out_dtype=None, scales: tuple = (), hadamard: int = 0,
+                  name: str = "mlp", interpret=False):
     """Plain JAX, the same contract: the two projections' references."""
     del name, interpret
     check_mlp_shapes(x, w_gate, w_up, w_down, layer)
-    act = gated_up_reference(x, w_gate, w_up, layer=layer, x_norm=x_norm)
+    _check_scales((w_gate, w_up, w_down), tuple(scales), hadamard)
+    act = gated_up_reference(x, w_gate, w_up, layer=layer, x_norm=x_norm,
+                             scales=tuple(scales[:2]), hadamard=hadamard)
     return project_reference(act, (w_down,), layer=layer, out_dtype=out_dtype,
-                             residual=residual)[0]
+                             residual=residual, scales=tuple(scales[2:]))[0]
 
 
 def out_and_mlp_reference(attn, wo, residual, w_gate, w_up, w_down, *, layer=None,
-                          x_norm: InputNorm | None = None, name: str = "out_and_mlp",
-                          interpret=False):
+                          x_norm: InputNorm | None = None, scales: tuple = (),
+                          hadamard: int = 0, name: str = "out_and_mlp", interpret=False):
     """Plain JAX, the same contract: the projections' references."""
     del name, interpret
     _check_out_projection(attn, wo, residual, layer)
-    (x,) = project_reference(attn, (wo,), layer=layer, residual=residual)
-    return mlp_reference(x, w_gate, w_up, w_down, layer=layer, x_norm=x_norm, residual=x)
+    _check_scales((wo, w_gate, w_up, w_down), tuple(scales), hadamard)
+    (x,) = project_reference(attn, (wo,), layer=layer, residual=residual,
+                             scales=tuple(scales[:1]))
+    return mlp_reference(x, w_gate, w_up, w_down, layer=layer, x_norm=x_norm, residual=x,
+                         scales=tuple(scales[1:]), hadamard=hadamard)

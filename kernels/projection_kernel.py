@@ -302,7 +302,7 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
             else _finish_each(products,
                               [b[:, columns] for b in b_refs] or [None] * len(products), dtype))
     if layout.hadamard:
-        outs = (_spread(outs[0], layout.hadamard),)
+        outs = (hadamard_blocks_in_vmem(outs[0], layout.hadamard),)
     if residual:
         outs = (added(residual[0][rows, columns], outs[0]),)
     for i, (out, y) in enumerate(zip(out_refs, outs)):
@@ -313,7 +313,7 @@ def _finish(products, b_refs, rope_refs, residual, out_refs, rows, columns, layo
             _store_heads(out, rows, columns.start, y, layout.tile_heads)
 
 
-def _spread(y, n: int):
+def hadamard_blocks_in_vmem(y, n: int):
     """y [rows, columns] times hadamard(n) in each block of n columns, as
     kernels.int8.hadamard_blocks: a dot of each block on the MXU, with the +-1 matrix made
     from iotas (H[i, j] = -1 where i & j has an odd count of bits)."""

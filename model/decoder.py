@@ -43,6 +43,7 @@ from model.sharding import ShardPlan, all_reduce, embed_tokens, gather_labels
 FEATURE_MAJOR_MAX_TOKENS = 512
 PROJECTION_WEIGHTS = ("wq", "wk", "wv", KV_GROUP, "wo", "w_gate", "w_up", "w_down")
 KV_WEIGHTS = ("wk", "wv")  # in KV_GROUP, in this order (model.params.grouped_kv)
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MLP kernel's, in this order
 ROTATED_PROJECTIONS = ("project_q", "project_kv")  # calls that norm and rotate q's or k's heads
 
 
@@ -364,29 +365,36 @@ def _mlp(activation: Callable, project: Project, gated_up: Callable | None, h,
     return project(h, (("w_down", None),), "project_down", shards, residual=residual)[0]
 
 
-def _mlp_kernel(mlp: Callable, stacked: dict, layer, x, x_norm: InputNorm, shards: ShardPlan):
+def _mlp_kernel(cfg: ModelConfig, mlp: Callable, lp: dict, stacked: dict, layer, x,
+                x_norm: InputNorm, shards: ShardPlan):
     """x plus its MLP in one kernel (kernels.mlp_kernel), the weights read from the stacks at
     the layer; a row-split down projection's float32 partial sums all-reduced before the
     residual add, as the projections' (`_kernel_projections`)."""
-    weights = _mlp_weights(stacked)
+    weights, int8 = _mlp_weights(stacked), _mlp_int8(cfg, lp, MLP_WEIGHTS)
     if not shards.sharded:
-        return mlp(x, *weights, layer=layer, x_norm=x_norm, residual=x, name="mlp")
-    sums = mlp(x, *weights, layer=layer, x_norm=x_norm, out_dtype=jnp.float32, name="mlp")
+        return mlp(x, *weights, layer=layer, x_norm=x_norm, residual=x, name="mlp", **int8)
+    sums = mlp(x, *weights, layer=layer, x_norm=x_norm, out_dtype=jnp.float32, name="mlp",
+               **int8)
     return _plus(x, (_finished(sums, x.dtype, None, shards),))[0]
 
 
+
 def _mlp_weights(stacked: dict) -> tuple:
-    return tuple(stacked[w] for w in ("w_gate", "w_up", "w_down"))
+    return tuple(stacked[w] for w in MLP_WEIGHTS)
+
+
+def _mlp_int8(cfg: ModelConfig, lp: dict, names: tuple) -> dict:
+    """The MLP kernel's int8 arguments: the weights' scales at the layer, down's input's
+    Hadamard blocks (none for a float model)."""
+    return {"scales": _scales(lp, names), "hadamard": cfg.down_hadamard}
 
 
 def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_params: dict,
                  tokens: int, shards: ShardPlan) -> KernelSet:
     """The MLP's kernel where it takes this shard's weights, after the output projection
     where those fit too and the layer has no output bias, on one chip (else the output
-    projection's row-split partial sums are all-reduced before its residual add); not int8's
-    (then the projection kernels' gate and up, and down)."""
-    if (kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms
-            or cfg.quantization or cfg.down_hadamard):
+    projection's row-split partial sums are all-reduced before its residual add)."""
+    if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
@@ -446,14 +454,15 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     if kernels.out_and_mlp is not None:
         with jax.named_scope("out_and_mlp"):
             x = kernels.out_and_mlp(attn, stacked["wo"], x, *_mlp_weights(stacked),
-                                    layer=layer, x_norm=mlp_norm)
+                                    layer=layer, x_norm=mlp_norm,
+                                    **_mlp_int8(cfg, lp, ("wo",) + MLP_WEIGHTS))
         return (x, KVCache(k_pages, v_pages)), None
     with jax.named_scope("out_proj"):
         (x,) = project(attn.T if feature_major else attn, (("wo", "bo"),), "project_out",
                        shards, residual=x, x_tile_heads=attn_tiles)
     with jax.named_scope("mlp"):
         if kernels.mlp is not None:
-            x = _mlp_kernel(kernels.mlp, stacked, layer, x, mlp_norm, shards)
+            x = _mlp_kernel(cfg, kernels.mlp, lp, stacked, layer, x, mlp_norm, shards)
         else:
             x = _mlp_sublayer(cfg, kernels, lp, stacked, layer, project, x, norms_in,
                               feature_major, shards, residual=x)

@@ -109,19 +109,25 @@ def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, family, o
     assert set(called) == {fused}
 
 
-def test_the_int8_projection_kernels_score_as_the_int8_reference(tmp_path, monkeypatch):
-    """An int8 Qwen3 (W8A8, smoothed at load) on the Pallas kernels in the TPU interpreter:
-    every projection on the projection kernel, x quantized per token in VMEM after the input
-    norm it applies, the int32 products dequantized before q's and k's norm and RoPE, the
-    pages, the SiLU and the residual; no MLP kernel (not int8's). It scores as the dense
-    reference's int8 model (XLA's int8 dots), over most items: where the paths' float
-    rounding differs (the norm in the kernel, attention's sums) a token near an int8 rounding
-    tie rounds the other way, which moves a tiny random model's score by up to 0.1."""
+@pytest.mark.parametrize("mlp_fits", [True, False])
+def test_the_int8_kernels_score_as_the_int8_reference(tmp_path, monkeypatch, mlp_fits):
+    """An int8 Qwen3 (W8A8, rotated at load, Hadamard blocks before down) on the Pallas
+    kernels in the TPU interpreter: q's and k/v's projections with x quantized per token in
+    VMEM after the input norm they apply, the int32 products dequantized before q's and k's
+    norm and RoPE and the pages; then the layer after attention in one kernel, or, where its
+    weights do not fit VMEM, the projection kernels' output projection, gate and up (the
+    SiLU, the Hadamard blocks) and down. It scores as the dense reference's int8 model
+    (XLA's int8 dots), over most items: where the paths' float rounding differs (the norm in
+    the kernel, attention's sums) a token near an int8 rounding tie rounds the other way,
+    which moves a tiny random model's score by up to 0.1."""
+    from kernels import mlp_kernel
     from tests.tiny_models import write_checkpoint
     called = _counted_kernels(
         monkeypatch, ("project", "gated_up", "mlp", "out_and_mlp"),
         lambda name, kw: (kw.get("name", name), len(kw.get("scales", ())),
-                          kw.get("x_norm") is not None))
+                          kw.get("x_norm") is not None, kw.get("hadamard", 0)))
+    if not mlp_fits:
+        monkeypatch.setattr(mlp_kernel, "_WEIGHTS_BYTES", 0)
     path = write_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=7, hidden_size=128,
                             intermediate_size=256, head_dim=128)
     rng = np.random.default_rng(0)
@@ -136,9 +142,11 @@ def test_the_int8_projection_kernels_score_as_the_int8_reference(tmp_path, monke
         engine.close()
     misses, gaps = (np.abs(scores[0] - other).max(axis=1) for other in scores[1:])
     assert np.median(misses) < 1e-4 and np.median(gaps) > 0.05, (misses, gaps)
-    assert set(called) == {("project_q", 1, True), ("project_kv", 2, True),
-                           ("gate_up", 2, True), ("project_out", 1, False),
-                           ("project_down", 1, False)}
+    after_attention = ({("out_and_mlp", 4, True, 128)} if mlp_fits else
+                       {("gate_up", 2, True, 128), ("project_out", 1, False, 0),
+                        ("project_down", 1, False, 0)})
+    assert set(called) == {("project_q", 1, True, 0), ("project_kv", 2, True, 0),
+                           *after_attention}
 
 
 def _counted_kernels(monkeypatch, names: tuple, key) -> list:

@@ -108,16 +108,17 @@ def test_sized_model_programs_compile_for_v6e(model, tp, tokens, kernels):
 
 
 def test_an_int8_models_program_compiles_for_v6e():
-    """Qwen3-0.6B in int8 (W8A8) at 2,048 tokens: every projection on its kernel, int8
-    weights read at the layer, x quantized in the kernels after the input norms they apply
-    (no MLP kernel: not int8's), the pool updated in place; its arguments the pool, the batch
-    and the weights at a byte each (bfloat16 embeddings and norms, float32 scales)."""
+    """Qwen3-0.6B in int8 (W8A8) at 2,048 tokens: q's and k/v's projections on their kernel
+    and the layer after attention in one, int8 weights read at the layer, x quantized in the
+    kernels after the input norms they apply, the pool updated in place; its arguments the
+    pool, the batch and the weights at a byte each (bfloat16 embeddings and norms, float32
+    scales)."""
     cfg = int8_config(SIZED_MODELS["Qwen3-0.6B"])
     programs = server_programs(EngineConfig(dtype="bfloat16"), cfg, v6e_devices(1), POOL_PAGES)
     compiled = programs.get(programs.buckets.shape(2048))
     widths = [projection_shapes(cfg)[k][1] for k in ("project_q", "project_kv", "gate_up")]
     assert all(norms_in_kernels(cfg, 2048, *widths, itemsize=1))
-    assert mosaic_kernels(compiled) == INTO_PAGES
+    assert mosaic_kernels(compiled) == MLP_WHOLE
     assert_in_place(programs, compiled)
     shapes, dtypes = param_shapes(cfg), param_dtypes(cfg, jnp.bfloat16)
     weights = sum(np.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in zip(

@@ -185,7 +185,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     out_depth = projection_shapes(cfg)["project_out"][0]
     mlp = {name: mlp_estimate(schedules[name], shape.tokens, cfg.hidden_size,
                               cfg.intermediate_size, 2, residual=True,
-                              out_depth=out_depth if name == "out_and_mlp" else 0)
+                              out_depth=out_depth if name == "out_and_mlp" else 0,
+                              weight_itemsize=_weight_itemsize(cfg))
            for name in ("mlp", "out_and_mlp") if name in schedules}  # one chip
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
         schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP), PAGES_PER_STEP,
