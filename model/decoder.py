@@ -390,17 +390,21 @@ def _mlp_int8(cfg: ModelConfig, lp: dict, names: tuple) -> dict:
 
 
 def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_params: dict,
-                 tokens: int, shards: ShardPlan) -> KernelSet:
+                 tokens: int, shards: ShardPlan, pool_d: int) -> KernelSet:
     """The MLP's kernel where it takes this shard's weights, after the output projection
-    where those fit too and the layer has no output bias, on one chip (else the output
-    projection's row-split partial sums are all-reduced before its residual add)."""
+    where those fit too, the layer has no output bias and the attention's heads fill their
+    lane tiles, on one chip (else the output projection's row-split partial sums are
+    all-reduced before its residual add; heads a lane tile each go to the projection
+    kernel's output projection as they are, where the MLP kernel's would need them sliced
+    out by XLA's copies: 25 us a layer of Llama-3.2-1B in int8 at 2048 tokens, docs/tpu_v6e.md)."""
     if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
         return kernels._replace(mlp=None, out_and_mlp=None)
-    if (shards.sharded or "bo" in layer_params or not mlp_kernel_applies(
-            tokens, cfg.hidden_size, inner, itemsize, stacked["wo"].shape[-2])):
+    if (tiled_head_dim(cfg, pool_d) or shards.sharded or "bo" in layer_params
+            or not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize,
+                                      stacked["wo"].shape[-2])):
         return kernels._replace(out_and_mlp=None)
     return kernels
 
@@ -612,7 +616,8 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
         layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
-    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
+    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards,
+                           cache.k.shape[-1])
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     ropes = _ropes(cfg, batch.positions, tables)

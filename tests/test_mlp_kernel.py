@@ -142,12 +142,14 @@ def test_bad_shapes_and_sizes_are_refused_with_their_shapes():
 def test_the_kernel_takes_the_mlps_whose_weights_fit_vmem():
     """Qwen3-0.6B's and Qwen2.5-0.5B's MLPs with their output projections from 2,048 tokens
     (not at 512: one step); Llama-3.2-1B's MLP, 96 MiB of weights, is left to the projection
-    kernels, as is a width of part of a lane tile."""
-    for name, fits in (("Qwen3-0.6B", True), ("Qwen2.5-0.5B", True), ("Llama-3.2-1B", False)):
+    kernels in bfloat16 and taken in int8 (52 MiB with wo's), as is a width of part of a
+    lane tile."""
+    for name, itemsize, fits in (("Qwen3-0.6B", 2, True), ("Qwen2.5-0.5B", 2, True),
+                                 ("Llama-3.2-1B", 2, False), ("Llama-3.2-1B", 1, True)):
         cfg = SIZED_MODELS[name]
         q_width = cfg.num_heads * cfg.head_dim
         for tokens in (512, 2048, 8192):
-            assert mlp_kernel_applies(tokens, cfg.hidden_size, cfg.intermediate_size, 2,
+            assert mlp_kernel_applies(tokens, cfg.hidden_size, cfg.intermediate_size, itemsize,
                                       q_width) == (fits and tokens >= 2048), (name, tokens)
     assert not mlp_kernel_applies(2048, 576, 1536, 2)  # SmolLM2-135M's hidden size
 
