@@ -2,10 +2,11 @@
 
 Public: the kernels (KV write, attention, label gather; on TPU also the projections, which
 can norm their input, add to the residual stream and write k and v into their pages, the
-whole MLP in one kernel, after the output projection where it fits, q's and k's norm
-and RoPE, and x normed and quantized for int8 projections) and their backends (`select_kernels` picks one implementation of each), the
-attention metadata and the block plan the planned
-kernels walk (built in the program: `plan_attention`; from concrete metadata: `build_plan`).
+whole MLP in one kernel, in 16 bits or int8, after the output projection where it fits,
+q's and k's norm and RoPE, and x normed and quantized for int8 projections) and their
+backends (`select_kernels` picks one implementation of each), the attention metadata and the
+block plan the planned kernels walk (built in the program: `plan_attention`; from concrete
+metadata: `build_plan`).
 """
 from kernels.attention_plan import (
     AttentionPlan,

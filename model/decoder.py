@@ -378,7 +378,6 @@ def _mlp_kernel(cfg: ModelConfig, mlp: Callable, lp: dict, stacked: dict, layer,
     return _plus(x, (_finished(sums, x.dtype, None, shards),))[0]
 
 
-
 def _mlp_weights(stacked: dict) -> tuple:
     return tuple(stacked[w] for w in MLP_WEIGHTS)
 
@@ -396,7 +395,8 @@ def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_para
     lane tiles, on one chip (else the output projection's row-split partial sums are
     all-reduced before its residual add; heads a lane tile each go to the projection
     kernel's output projection as they are, where the MLP kernel's would need them sliced
-    out by XLA's copies: 25 us a layer of Llama-3.2-1B in int8 at 2048 tokens, docs/tpu_v6e.md)."""
+    out by XLA's copies: 25 us a layer of Llama-3.2-1B in int8 at 2048 tokens,
+    docs/tpu_v6e.md)."""
     if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
