@@ -5,6 +5,7 @@ output projection's partial sums are all-reduced first). A block of 512 tokens a
 weights whole in VMEM, copied in once during the first step. int8 weights (W8A8,
 kernels.int8) multiply their inputs quantized per token in VMEM: the attention's output, x
 after its norm, and the gated product after its Hadamard blocks, whose whole rows are there.
+Heads narrower than a lane tile come from the attention a tile each, packed in VMEM.
 
 As three projection kernels (kernels.projection_kernel's output projection, gate and up, then
 down), each call paid its own fill and drain that nothing overlaps: a block written to HBM
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels.head_tiles import heads_from_tiles, packed_heads, tile_spread
 from kernels.int8 import dequantized, quantize_tokens
 from kernels.projection_kernel import (
     MIN_TOKENS,
@@ -33,6 +35,7 @@ from kernels.projection_kernel import (
     first_step_waits,
     gated_up_reference,
     hadamard_blocks_in_vmem,
+    in_hbm,
     project_reference,
     sub_block_rows,
 )
@@ -63,11 +66,12 @@ def mlp_kernel_applies(tokens: int, hidden: int, inner: int, itemsize: int,
 
 
 def mlp_bytes(tokens: int, hidden: int, inner: int, itemsize: int, out_itemsize: int,
-              residual: bool, out_depth: int = 0, weight_itemsize: int | None = None) -> int:
-    """HBM bytes the kernel moves: its input (x, or the attention's output), the weights (in
-    `weight_itemsize`, by default x's) and the output once, and the residual where it adds
-    one."""
-    depth = out_depth or hidden
+              residual: bool, out_depth: int = 0, weight_itemsize: int | None = None,
+              x_spread: int = 1) -> int:
+    """HBM bytes the kernel moves: its input (x, or the attention's output, `x_spread` times
+    wider with heads a lane tile each), the weights (in `weight_itemsize`, by default x's) and
+    the output once, and the residual where it adds one."""
+    depth = (out_depth or hidden) * x_spread
     return (tokens * (depth + hidden * residual) * itemsize + (3 * inner + out_depth) * hidden
             * (weight_itemsize or itemsize) + tokens * hidden * out_itemsize)
 
@@ -84,6 +88,7 @@ class _Layout:
     int8: bool = False  # int8 weights; their scales: gate's and up's [2, inner], then wo's
                         # (where it takes wo) and down's [1 or 2, hidden]
     hadamard: int = 0   # the gated product times hadamard(n) in each run of n columns
+    x_tile_heads: int = 0  # the attention's heads of this many lanes come a lane tile each
 
     def split(self, refs) -> tuple:
         """(input, wo, (gate, up, down), residual, norm weight, scales, output, scratch) of
@@ -111,7 +116,7 @@ def _kernel(layer_ref, *refs, layout: _Layout):
                 (stacks[2].at[layer, columns[c]], down.at[columns[c]]))
         return [pltpu.make_async_copy(*ends[k], sems.at[c, k]) for k in parts]
     out = (_OutProjection(wo_hbm, *out_scratch, layer, layout.out_chunk,
-                          None if scales is None else scales[1])
+                          None if scales is None else scales[1], layout.x_tile_heads)
            if layout.out_chunk else None)
 
     @pl.when(step == 0)
@@ -205,6 +210,7 @@ class _OutProjection:
     layer: object
     chunk: int
     scales: object  # int8 wo's: a ref whose first row is its scales [hidden]; else None
+    tile_heads: int  # the attention's heads of this many lanes come a lane tile each
 
     def _columns(self) -> list:
         return [pl.ds(c * self.chunk, self.chunk) for c in range(self.wo.shape[1] // self.chunk)]
@@ -220,6 +226,8 @@ class _OutProjection:
         """The stream ref: each chunk's product rounded to its dtype before the residual add,
         as the projection kernel's; the first step's each after its chunk of the weights."""
         attn = attn_ref[...]
+        if self.tile_heads:
+            attn = packed_heads(attn, self.tile_heads)
         if self.scales is not None:
             attn, attn_scale = quantize_tokens(attn, axis=1)
         for c, cols in enumerate(self._columns()):
@@ -248,11 +256,13 @@ def check_mlp_shapes(x, w_gate, w_up, w_down, layer) -> None:
                          f"{w_down.shape}, layer {layer}")
 
 
-def _check_out_projection(attn, wo, residual, layer) -> None:
+def _check_out_projection(attn, wo, residual, layer, x_tile_heads: int = 0) -> None:
+    spread = tile_spread(x_tile_heads, wo.shape[-2])
     if (attn.ndim != 2 or wo.ndim != (2 if layer is None else 3)
-            or wo.shape[-2:] != (attn.shape[1], residual.shape[1])
+            or wo.shape[-2:] != (attn.shape[1] // spread, residual.shape[1])
             or residual.shape[0] != attn.shape[0] or residual.dtype != attn.dtype):
-        raise ValueError(f"expected the attention's output [T, in], wo [in, hidden] (with a "
+        raise ValueError(f"expected the attention's output [T, in] ({spread} times wider with "
+                         f"heads of {x_tile_heads} a lane tile each), wo [in, hidden] (with a "
                          f"layer, a stack [layers, in, hidden]) and a residual [T, hidden] in "
                          f"its dtype, got attn {attn.shape} {attn.dtype}, wo {wo.shape}, "
                          f"residual {residual.shape} {residual.dtype}, layer {layer}")
@@ -298,41 +308,44 @@ def mlp(x, w_gate, w_up, w_down, *, layer=None, x_norm: InputNorm | None = None,
 
 def out_and_mlp(attn, wo, residual, w_gate, w_up, w_down, *, layer=None,
                 x_norm: InputNorm | None = None, scales: tuple = (), hadamard: int = 0,
-                name: str = "out_and_mlp", interpret=False):
+                x_tile_heads: int = 0, name: str = "out_and_mlp", interpret=False):
     """The layer after its attention in one kernel: x = residual + attn @ wo, then x + the
     MLP of x (`mlp`'s, normed with `x_norm`), in the residual's dtype; rounded as the output
-    projection's kernel and `mlp`. int8: `scales` for wo, gate, up and down, as `mlp`'s."""
-    _check_out_projection(attn, wo, residual, layer)
+    projection's kernel and `mlp`. int8: `scales` for wo, gate, up and down, as `mlp`'s. With
+    `x_tile_heads`, the attention's heads of that many lanes come a lane tile each, [T, heads
+    x 128] (kernels.head_tiles), and are packed in VMEM first."""
+    _check_out_projection(attn, wo, residual, layer, x_tile_heads)
     check_mlp_shapes(residual, w_gate, w_up, w_down, layer)
     _check_scales((wo, w_gate, w_up, w_down), tuple(scales), hadamard)
     return _call(attn, wo, (w_gate, w_up, w_down), layer, x_norm, residual, residual.dtype,
-                 tuple(scales), hadamard, name, interpret)
+                 tuple(scales), hadamard, name, interpret, x_tile_heads)
 
 
 def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, scales: tuple,
-          hadamard: int, name: str, interpret):
+          hadamard: int, name: str, interpret, x_tile_heads: int = 0):
     if layer is None:
         stacks, wo = tuple(w[None] for w in stacks), None if wo is None else wo[None]
     (tokens, depth), (hidden, inner) = x.shape, stacks[0].shape[-2:]
-    out_depth = 0 if wo is None else depth
+    out_depth = 0 if wo is None else wo.shape[-2]
     weight_itemsize = stacks[0].dtype.itemsize
     if not mlp_kernel_applies(tokens, hidden, inner, weight_itemsize, out_depth):
         raise ValueError(f"the MLP kernel takes at least {MIN_TOKENS} tokens in "
                          f"{NORM_MIN_STEPS} steps and weights of whole lane tiles, "
                          f"{_WEIGHTS_BYTES >> 20} MiB in all: x {x.shape}, inner {inner}"
-                         f"{f', an output projection of {depth}' if out_depth else ''}")
+                         f"{f', an output projection of {out_depth}' if out_depth else ''}")
     if x_norm is not None and x_norm.weight.shape != (hidden,):
         raise ValueError(f"x's norm takes a weight [{hidden}], got {x_norm.weight.shape}")
     rows = mlp_rows(tokens)
     columns = lambda width: first_chunk_columns(width, ProjectionBlocks(rows, width))  # noqa: E731
     layout = _Layout(columns(inner), columns(hidden) if wo is not None else 0,
-                     residual is not None, x_norm and x_norm.eps, bool(scales), hadamard)
+                     residual is not None, x_norm and x_norm.eps, bool(scales), hadamard,
+                     x_tile_heads)
     # int8 scales: gate's and up's [2, inner]; wo's (where taken) and down's [1 or 2, hidden]
     scale_operands = [jnp.stack(scales[-3:-1]), jnp.stack(scales[:-3] + scales[-1:])
                       ] if scales else []
     block = lambda width: pl.BlockSpec((rows, width), lambda i, *_: (i, 0))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pltpu.HBM)
-    operands = [x] + ([] if wo is None else [wo]) + list(stacks) + (
+    operands = [x] + ([] if wo is None else [in_hbm(wo)]) + list(map(in_hbm, stacks)) + (
         [] if residual is None else [residual]) + (
         [] if x_norm is None else [x_norm.weight.reshape(1, hidden)]) + scale_operands
     out_scratch = [] if wo is None else [
@@ -370,7 +383,7 @@ def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, scales: tupl
             transcendentals=tokens * inner,
             bytes_accessed=mlp_bytes(tokens, hidden, inner, x.dtype.itemsize,
                                      out_dtype.itemsize, residual is not None, out_depth,
-                                     weight_itemsize)),
+                                     weight_itemsize, depth // (out_depth or depth))),
         interpret=interpret,
     )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), *operands)
 
@@ -390,10 +403,13 @@ def mlp_reference(x, w_gate, w_up, w_down, *, layer=None, x_norm: InputNorm | No
 
 def out_and_mlp_reference(attn, wo, residual, w_gate, w_up, w_down, *, layer=None,
                           x_norm: InputNorm | None = None, scales: tuple = (),
-                          hadamard: int = 0, name: str = "out_and_mlp", interpret=False):
+                          hadamard: int = 0, x_tile_heads: int = 0, name: str = "out_and_mlp",
+                          interpret=False):
     """Plain JAX, the same contract: the projections' references."""
     del name, interpret
-    _check_out_projection(attn, wo, residual, layer)
+    _check_out_projection(attn, wo, residual, layer, x_tile_heads)
+    if x_tile_heads:
+        attn = heads_from_tiles(attn, x_tile_heads)
     _check_scales((wo, w_gate, w_up, w_down), tuple(scales), hadamard)
     (x,) = project_reference(attn, (wo,), layer=layer, residual=residual,
                              scales=tuple(scales[:1]))

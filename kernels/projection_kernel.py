@@ -581,7 +581,8 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
         [] if pages is None else [pages.block_pages.astype(jnp.int32),
                                   consecutive_steps(pages.block_pages,
                                                     blocks.rows // pages.k_pages.shape[3])])
-    operands = [x, *x_scale, *stacks, *(b.reshape(1, -1) for b in biases), *rope_operands,
+    operands = [x, *x_scale, *map(in_hbm, stacks), *(b.reshape(1, -1) for b in biases),
+                *rope_operands,
                 *([] if residual is None else [residual]),
                 *([] if x_norm is None else [x_norm.weight.reshape(1, depth)]),
                 *([jnp.stack(scales)] if scales else [])]
@@ -623,6 +624,17 @@ def _call(x, weights: tuple, biases: tuple, layer, *, gated: bool, out_dtype, na
                 x_spread)),
         interpret=interpret,
     )(*scalars, *operands, *out.operands())
+
+
+def in_hbm(stack):
+    """A weight stack the kernel copies from where it lies, kept in HBM: else XLA's memory
+    space assignment may copy a whole stack into VMEM every layer (Qwen2.5-0.5B's [24, 896,
+    896] q weights, 38.5 MB, with the MLP kernel beside; docs/tpu_v6e.md). A call outside a
+    traced program takes it as it is (no program moves it; the constraint does not run
+    eagerly)."""
+    if not isinstance(stack, jax.core.Tracer):
+        return stack
+    return pltpu.with_memory_space_constraint(stack, pltpu.HBM)
 
 
 def _check_tile_heads(head_dim: int, width: int, rope: HeadRope | None,

@@ -389,20 +389,16 @@ def _mlp_int8(cfg: ModelConfig, lp: dict, names: tuple) -> dict:
 
 
 def _mlp_kernels(kernels: KernelSet, cfg: ModelConfig, stacked: dict, layer_params: dict,
-                 tokens: int, shards: ShardPlan, pool_d: int) -> KernelSet:
+                 tokens: int, shards: ShardPlan) -> KernelSet:
     """The MLP's kernel where it takes this shard's weights, after the output projection
-    where those fit too, the layer has no output bias and the attention's heads fill their
-    lane tiles, on one chip (else the output projection's row-split partial sums are
-    all-reduced before its residual add; heads a lane tile each go to the projection
-    kernel's output projection as they are, where the MLP kernel's would need them sliced
-    out by XLA's copies: 25 us a layer of Llama-3.2-1B in int8 at 2048 tokens,
-    docs/tpu_v6e.md)."""
+    where those fit too and the layer has no output bias, on one chip (else the output
+    projection's row-split partial sums are all-reduced before its residual add)."""
     if kernels.project is None or cfg.activation != "silu" or cfg.sandwich_norms:
         return kernels._replace(mlp=None, out_and_mlp=None)  # SiLU's, adding the residual
     itemsize, inner = stacked["w_gate"].dtype.itemsize, stacked["w_gate"].shape[-1]
     if not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize):
         return kernels._replace(mlp=None, out_and_mlp=None)
-    if (tiled_head_dim(cfg, pool_d) or shards.sharded or "bo" in layer_params
+    if (shards.sharded or "bo" in layer_params
             or not mlp_kernel_applies(tokens, cfg.hidden_size, inner, itemsize,
                                       stacked["wo"].shape[-2])):
         return kernels._replace(out_and_mlp=None)
@@ -458,7 +454,7 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
     if kernels.out_and_mlp is not None:
         with jax.named_scope("out_and_mlp"):
             x = kernels.out_and_mlp(attn, stacked["wo"], x, *_mlp_weights(stacked),
-                                    layer=layer, x_norm=mlp_norm,
+                                    layer=layer, x_norm=mlp_norm, x_tile_heads=attn_tiles,
                                     **_mlp_int8(cfg, lp, ("wo",) + MLP_WEIGHTS))
         return (x, KVCache(k_pages, v_pages)), None
     with jax.named_scope("out_proj"):
@@ -476,14 +472,11 @@ def _layer(cfg: ModelConfig, shards: ShardPlan, kernels: KernelSet, batch: Forwa
 def _attention_output(cfg: ModelConfig, kernels: KernelSet, attn) -> tuple:
     """The attention's output [T, heads, the pool's D] as the output projection takes it,
     [T, heads x D], and the head dim of heads that stay a lane tile each (the projection
-    kernel packs them in VMEM), or 0 where they are sliced out here (XLA's dots, Gemma's
-    sandwiched sublayers, heads that do not divide a tile, and the MLP kernel's output
-    projection: given them so, XLA moved whole weight stacks into VMEM every layer,
-    docs/tpu_v6e.md)."""
+    kernel and the MLP kernel pack them in VMEM), or 0 where they are sliced out here (XLA's
+    dots, Gemma's sandwiched sublayers, heads that do not divide a tile)."""
     tokens, _, d = attn.shape
     tiles = tiled_head_dim(cfg, d)
-    if (tiles and kernels.project is not None and kernels.out_and_mlp is None
-            and not cfg.sandwich_norms):
+    if tiles and kernels.project is not None and not cfg.sandwich_norms:
         return attn.reshape(tokens, -1), tiles
     return attn[..., :cfg.head_dim].reshape(tokens, -1), 0
 
@@ -616,8 +609,7 @@ def hidden_states(params: dict, cfg: ModelConfig, cache: KVCache, batch: Forward
     if kernels.project is not None:  # the kernels read them at the layer, where they lie
         stacked = {k: w for k, w in layer_params.items() if k in PROJECTION_WEIGHTS}
         layer_params = {k: w for k, w in layer_params.items() if k not in stacked}
-    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards,
-                           cache.k.shape[-1])
+    kernels = _mlp_kernels(kernels, cfg, stacked, layer_params, x.shape[0], shards)
     tables = rope_lane_tables if kernels.rope else functools.partial(
         rope_tables, feature_major=feature_major)
     ropes = _ropes(cfg, batch.positions, tables)

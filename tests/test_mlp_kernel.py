@@ -75,6 +75,37 @@ def test_the_output_projection_and_mlp_kernel_is_its_reference(dtype):
                                       x_norm=x_norm), dtype)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_attentions_heads_in_lane_tiles_are_packed_first(int8):
+    """Heads of 64 lanes a lane tile each (the attention's output where the pool pads them,
+    kernels.head_tiles), something other than zeros after each: the same as the heads given
+    packed, float32 and int8 in bfloat16 (bit for bit)."""
+    from kernels.head_tiles import heads_in_tiles
+    depth, hidden, inner, layers, head_dim = 256, 128, 384, 2, 64
+    dtype = jnp.bfloat16 if int8 else jnp.float32
+    attn, residual, wo, gate, up, down = _arrays(
+        dtype, 6, (TOKENS, depth), (TOKENS, hidden), (layers, depth, hidden),
+        (layers, hidden, inner), (layers, hidden, inner), (layers, inner, hidden))
+    run = dict(layer=jnp.int32(1), x_norm=InputNorm(jnp.ones(hidden, dtype), 1e-6))
+    if int8:
+        (wo, gate, up, down), scales = _int8(wo, gate, up, down)
+        run |= dict(scales=tuple(s[1] for s in scales), hadamard=64)
+    after = 7 * (jnp.arange(depth // head_dim * 128) % 128 >= head_dim)
+    tiled = heads_in_tiles(attn, head_dim) + after.astype(dtype)
+    want = out_and_mlp_reference(attn, wo, residual, gate, up, down, **run)
+    np.testing.assert_array_equal(
+        _f32(out_and_mlp_reference(tiled, wo, residual, gate, up, down,
+                                   x_tile_heads=head_dim, **run)), _f32(want))
+    got = out_and_mlp(tiled, wo, residual, gate, up, down, x_tile_heads=head_dim,
+                      interpret=pltpu.InterpretParams(), **run)
+    if int8:
+        np.testing.assert_array_equal(_f32(got), _f32(want))
+    else:
+        _close(got, want, dtype)
+    with pytest.raises(ValueError, match=r"2 times wider with heads of 64"):
+        out_and_mlp(attn, wo, residual, gate, up, down, x_tile_heads=head_dim, **run)
+
+
 def _int8(*stacks):
     """Each stack [layers, in, out] as int8 values and their float32 scales [layers, out]."""
     pairs = [quantize_weight(np.asarray(w, np.float32), axis=-2) for w in stacks]

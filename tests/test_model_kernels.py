@@ -90,20 +90,20 @@ def test_the_projection_norm_and_rope_kernels_score_as_the_reference(tmp_path, m
 
 
 @pytest.mark.parametrize("family, overrides, tp, fused", [
-    ("qwen3", dict(head_dim=128), 1, "out_and_mlp"), ("qwen3", dict(head_dim=128), 2, "mlp"),
-    ("llama", dict(num_key_value_heads=4), 1, "mlp")])
+    ("qwen3", dict(head_dim=128), 1, ("out_and_mlp", 0)),
+    ("qwen3", dict(head_dim=128), 2, ("mlp", 0)),
+    ("llama", dict(num_key_value_heads=4), 1, ("out_and_mlp", 32))])
 def test_the_mlp_kernel_scores_as_the_reference(tmp_path, monkeypatch, family, overrides, tp,
                                                 fused):
     """The layer after its attention in one kernel (the output projection and its residual
-    add, the MLP's norm, gate and up, down and its residual add) on one device; split over
-    two, the MLP alone (its row-split down's float32 partial sums all-reduced before the
-    residual add, as the output projection's), and so after Llama's heads of 32, which the
-    projection kernel's output projection takes in their lane tiles: the Pallas kernels in
-    the TPU interpreter score as the dense reference, and the gate and up's kernel no
-    longer runs."""
+    add, the MLP's norm, gate and up, down and its residual add) on one device, taking
+    Llama's heads of 32 in their lane tiles; split over two, the MLP alone (its row-split
+    down's float32 partial sums all-reduced before the residual add, as the output
+    projection's): the Pallas kernels in the TPU interpreter score as the dense reference,
+    and the gate and up's kernel no longer runs."""
     from tests.tiny_models import write_checkpoint
     called = _counted_kernels(monkeypatch, ("gated_up", "mlp", "out_and_mlp"),
-                              lambda name, kw: name)
+                              lambda name, kw: (name, kw.get("x_tile_heads", 0)))
     _scores_as_reference(write_checkpoint(str(tmp_path / family), family, seed=6,
                                           hidden_size=128, intermediate_size=512,
                                           **overrides), tp_size=tp)

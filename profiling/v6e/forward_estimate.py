@@ -60,13 +60,15 @@ from runtime.buckets import BatchShape
 from runtime.engine_config import EngineConfig
 from runtime.forward_programs import server_programs
 
-_POOL_PAGES = 4096  # the pool's size does not change a forward's work
+# the pool's size does not change a forward's work, but XLA's memory space assignment around
+# it sees it (tests/test_tpu_programs.py compiles the sized models with this pool)
+ESTIMATE_POOL_PAGES = 4096
 
 
 def program_case(model: dict, engine: dict, shape: dict):
     """The server's program for a v6e chip, lowered (for `compile_schedules`)."""
     programs = server_programs(EngineConfig(**engine), ModelConfig(**model), v6e_devices(1),
-                               _POOL_PAGES)
+                               ESTIMATE_POOL_PAGES)
     return programs.lower(BatchShape(**shape))
 
 
@@ -150,8 +152,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
                       schedules: dict, labels, with_lse: bool) -> dict:
     """Each kernel of the forward at the batch's real work."""
     d = pool_head_dim(cfg, "pallas")
-    page_ids = np.asarray(written_pages(batch.attention, page_size, _POOL_PAGES)[0])
-    real_pages = int(np.sum(page_ids < _POOL_PAGES))
+    page_ids = np.asarray(written_pages(batch.attention, page_size, ESTIMATE_POOL_PAGES)[0])
+    real_pages = int(np.sum(page_ids < ESTIMATE_POOL_PAGES))
     rows, n_labels, runs = shape.rows, max(len(row) for row in labels), label_run_count(labels)
     mode = ("labels_only" if not with_lse and label_tiles_pay(runs, n_labels, cfg.vocab_size)
             else "streamed_logsumexp")
@@ -170,7 +172,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     tiles = tiled_head_dim(cfg, d)  # q's, k's and v's heads a lane tile each, into pages
     spread = d // tiles if tiles and into_pages else 1
     attn_spread = (d // tiles if tiles and not cfg.sandwich_norms
-                   and "out_and_mlp" not in schedules else 1)  # decoder._attention_output
+                   else 1)  # decoder._attention_output
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
         blocks[name], paged.get(name), _weight_itemsize(cfg),
@@ -186,7 +188,8 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
     mlp = {name: mlp_estimate(schedules[name], shape.tokens, cfg.hidden_size,
                               cfg.intermediate_size, 2, residual=True,
                               out_depth=out_depth if name == "out_and_mlp" else 0,
-                              weight_itemsize=_weight_itemsize(cfg))
+                              weight_itemsize=_weight_itemsize(cfg),
+                              x_spread=attn_spread if name == "out_and_mlp" else 1)
            for name in ("mlp", "out_and_mlp") if name in schedules}  # one chip
     kv_write = {} if into_pages else {"kv_write": kv_write_estimate(
         schedules["write_kv_pages"], -(-len(page_ids) // PAGES_PER_STEP), PAGES_PER_STEP,
@@ -210,7 +213,7 @@ def _attention_estimate(cfg: ModelConfig, batch, sizes, page_size: int, schedule
         plan = host_plan(batch.attention, sizes, page_size, window)
         return {"plan_steps": visited_kv_blocks(plan), **attention_estimate(
             schedule, plan, visited_kv_blocks(plan), blocks.cost(plan).bytes_accessed, blocks,
-            whole_block_steps(plan, batch.attention, sizes, page_size, _POOL_PAGES))}
+            whole_block_steps(plan, batch.attention, sizes, page_size, ESTIMATE_POOL_PAGES))}
 
     per_layer = plan_windows(cfg)
     by_window = {w: at(w) for w in sorted(set(per_layer))}
@@ -225,7 +228,7 @@ def _attention_estimate(cfg: ModelConfig, batch, sizes, page_size: int, schedule
 def _page_runs(batch, blocks, page_size: int) -> PageRuns:
     """How the k and v projection copies the batch's pages: its steps whose pages follow each
     other, the pages as the model gives them (a padding block's the pool's last)."""
-    ids = block_page_ids(batch.block_pages, _POOL_PAGES)
+    ids = block_page_ids(batch.block_pages, ESTIMATE_POOL_PAGES)
     share = float(np.mean(np.asarray(consecutive_steps(ids, blocks.rows // page_size))))
     return PageRuns(2 * sub_block_rows(blocks.rows) // page_size, share)
 

@@ -250,7 +250,7 @@ def projection_estimate(schedule: KernelSchedule, tokens: int, depth: int, width
 
 def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
                  itemsize: int, residual: bool, out_depth: int = 0,
-                 weight_itemsize: int | None = None) -> dict:
+                 weight_itemsize: int | None = None, x_spread: int = 1) -> dict:
     """The MLP kernel (kernels.mlp_kernel; after the output projection of `out_depth` inputs
     where it takes one) over `tokens`: its fill (the first blocks of its input and of the
     residual, and the first chunk of the weights it waits for first), its first step (the
@@ -266,11 +266,11 @@ def mlp_estimate(schedule: KernelSchedule, tokens: int, hidden: int, inner: int,
     weight_itemsize = weight_itemsize or itemsize
     first_weights = out_depth * out_chunk if out_depth else 2 * hidden * chunk
     block = rows * hidden * itemsize
-    fill = (rows * (out_depth or hidden) * itemsize + block * residual
+    fill = (rows * (out_depth or hidden) * x_spread * itemsize + block * residual
             + first_weights * weight_itemsize)
     later = ((3 * inner + out_depth) * hidden - first_weights) * weight_itemsize
     step_bytes = (mlp_bytes(tokens, hidden, inner, itemsize, itemsize, residual, out_depth,
-                            weight_itemsize) - fill - later - block) / steps
+                            weight_itemsize, x_spread) - fill - later - block) / steps
     first, others = _first_step_bundles(schedule, chunked=True)
     last_share = len(first_step_waits(inner // chunk)[-1]) * chunk / inner * (
         inner / (3 * inner + out_depth))  # the last chunks' down products
