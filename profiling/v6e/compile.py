@@ -106,29 +106,6 @@ def xla_priced_s(flops: float, hbm_bytes: float) -> float:
     return max(flops / V6E_FLOPS, hbm_bytes / XLA_V6E_HBM)
 
 
-_HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4,
-                 "s32": 4, "u32": 4}
-
-
-def kernel_operands_in_vmem(compiled: jax.stages.Compiled) -> list[int]:
-    """The bytes of each array that XLA's memory space assignment copies into VMEM (memory
-    space S(1)) and hands to a Pallas call (directly or through bitcasts) in a compiled TPU
-    program, largest first."""
-    text = compiled.as_text()
-    sizes = {m.group(1): _HLO_ITEMSIZE[m.group(2)] * int(np.prod(
-                 [int(d) for d in m.group(3).split(",") if d]))
-             for m in re.finditer(r"%([\w.-]+) = (\w+)\[([\d,]*)\]\{[^}]*S\(1\)\}[^\n]*"
-                                  r"copy-done\(", text)}
-    for m in re.finditer(r"%([\w.-]+) = [^\n]* bitcast\(%([\w.-]+)\)", text):
-        if m.group(2) in sizes:
-            sizes[m.group(1)] = sizes[m.group(2)]
-    operands = (name for line in text.splitlines()
-                if 'custom_call_target="tpu_custom_call"' in line
-                for name in re.findall(r"%([\w.-]+)", line.split("custom-call(", 1)[1]
-                                       .split(")", 1)[0]))
-    return sorted((sizes[n] for n in operands if n in sizes), reverse=True)
-
-
 def mosaic_kernels(compiled: jax.stages.Compiled) -> list[str]:
     """The Pallas kernels a compiled TPU program calls, by name (`pallas_call(name=...)`)."""
     calls = (line for line in compiled.as_text().splitlines()

@@ -62,6 +62,25 @@ def array_bytes(type_text: str) -> float:
     return total
 
 
+def kernel_operands_in_vmem(hlo: str) -> list[int]:
+    """The bytes of each array that XLA's memory space assignment copies into VMEM (memory
+    space S(1)) and hands to a Pallas call, directly or through bitcasts, in a compiled TPU
+    program's HLO text; largest first."""
+    sizes, handed = {}, []
+    for line in hlo.splitlines():
+        if not (m := _INSTRUCTION.match(line)) or not (op := _OPCODE.match(m.group(2))):
+            continue
+        name, text, opcode = m.group(1), m.group(2), op.group(1)
+        if opcode == "copy-done" and "S(1)" in _result_type(text):
+            (dtype, dims, _), = _ARRAY.findall(_result_type(text))
+            sizes[name] = _product([int(d) for d in dims.split(",") if d]) * _itemsize(dtype)
+        elif opcode == "bitcast" and _operands(text)[0] in sizes:
+            sizes[name] = sizes[_operands(text)[0]]
+        elif opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in text:
+            handed += [sizes[n] for n in _operands(text) if n in sizes]
+    return sorted(handed, reverse=True)
+
+
 def _result_type(text: str) -> str:
     """The type an instruction's text starts with (a tuple's, in parentheses)."""
     if not text.startswith("("):
