@@ -383,7 +383,7 @@ def _call(x, wo, stacks: tuple, layer, x_norm, residual, out_dtype, scales: tupl
             transcendentals=tokens * inner,
             bytes_accessed=mlp_bytes(tokens, hidden, inner, x.dtype.itemsize,
                                      out_dtype.itemsize, residual is not None, out_depth,
-                                     weight_itemsize, depth // (out_depth or depth))),
+                                     weight_itemsize, tile_spread(x_tile_heads, out_depth))),
         interpret=interpret,
     )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), *operands)
 

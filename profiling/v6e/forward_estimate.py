@@ -171,8 +171,7 @@ def _kernel_estimates(cfg: ModelConfig, shape: BatchShape, batch, sizes, page_si
              if into_pages else {})
     tiles = tiled_head_dim(cfg, d)  # q's, k's and v's heads a lane tile each, into pages
     spread = d // tiles if tiles and into_pages else 1
-    attn_spread = (d // tiles if tiles and not cfg.sandwich_norms
-                   else 1)  # decoder._attention_output
+    attn_spread = d // tiles if tiles and not cfg.sandwich_norms else 1  # _attention_output
     projections = {name: projection_estimate(
         schedules[name], shape.tokens, *dims, 2, group if name in ROTATED_PROJECTIONS else 0,
         blocks[name], paged.get(name), _weight_itemsize(cfg),
