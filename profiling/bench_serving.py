@@ -49,9 +49,8 @@ from profiling.timing import write_json
 from runtime.cli_flags import parse_flags
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
-from runtime.request import parse_score_request
 from server.http import Limits, ReadDeadlines, encode_response, read_request
-from server.json_codec import parse_json
+from server.json_codec import parse_score_body
 
 FLAGS = flags.FLAGS
 SHAPE = {"query_tokens": 120, "num_items": 10, "item_tokens": 18, "num_labels": 2}
@@ -216,9 +215,10 @@ async def level(url: str, pid: int, bodies: Bodies, clients: int, seconds: float
 def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0,
                     shelf: int = 0) -> dict:
     """The per-request path, in this process on this checkout's own functions: the HTTP head
-    and body read, JSON, validation, checking, tokenizing and packing (Engine.prepare), and
-    the answer encoded; microseconds per request by stage, the median of three passes, each
-    over `count` requests of its own (the engine keeps the token ids of texts seen twice)."""
+    and body read, its JSON read and typed (server.json_codec.parse_score_body), checking,
+    tokenizing and packing (Engine.prepare), and the answer encoded; microseconds per request
+    by stage, the median of three passes, each over `count` requests of its own (the engine
+    keeps the token ids of texts seen twice)."""
     engine = Engine.from_path(model_path, EngineConfig(warmup=False))
     bodies = Bodies(engine.cfg.vocab_size, seed, text_tokenizer(model_path, text), 3 * count,
                     shelf)
@@ -250,8 +250,7 @@ def request_path_us(model_path: str, text: bool, count: int = 400, seed: int = 0
         runs = [asyncio.run(read_all(raw[k::3])) for k in range(3)]
         stages = {"http_read": statistics.median(t for t, _ in runs)}
         reqs = [req for _, part in runs for req in part]
-        stages["json"], parsed = passes(lambda r: parse_json(r.body), reqs)
-        stages["validate"], typed = passes(parse_score_request, parsed)
+        stages["parse"], typed = passes(lambda r: parse_score_body(r.body), reqs)
         stages["prepare"], _ = passes(engine.prepare, typed)
         stages["answer"], _ = passes(lambda _: encode_response(200, answer, True), typed)
     finally:

@@ -212,7 +212,7 @@ class Engine:
         else:
             with jax.profiler.TraceAnnotation("tokenize"):
                 query, items = self._tokenize(req)
-        parts = self._sequences(req, query, items) if items else []
+        parts = self._packed(req, query, items)
         kind = ("label_softmax" if req.apply_softmax else
                 "logits" if self.cfg.is_classifier or req.raw_logits else "vocab_probs")
         job = Job(labels, len(items), len(parts), kind)
@@ -240,10 +240,23 @@ class Engine:
                              f"the maximum of {self.engine_cfg.max_labels} (--max-labels)")
         return list(req.label_token_ids)
 
-    def _tokenize(self, req: ScoreRequest) -> tuple[list[int], list[list[int]]]:
-        if not req.is_text:
+    def _packed(self, req: ScoreRequest, query, items) -> list[tuple[Sequence, range]]:
+        """The request's sequences (`_sequences`), token ids checked against the vocabulary
+        on the packed arrays, a min and a max a sequence; the lists are searched for the id
+        to name only where one is out."""
+        try:
+            parts = self._sequences(req, query, items) if items else []
+        except OverflowError:  # an id beyond int32, which the packing's arrays refuse
+            parts = None
+        if not req.is_text and (not parts or not all(
+                seq.tokens.min() >= 0 and seq.tokens.max() < self.cfg.vocab_size
+                for seq, _ in parts)):
             check_token_ranges([req.query, *req.items], self.cfg.vocab_size,
                                lambda k: f"items[{k - 1}]" if k else "query")
+        return parts
+
+    def _tokenize(self, req: ScoreRequest) -> tuple[list[int], list[list[int]]]:
+        if not req.is_text:
             return req.query, req.items
         query, *items = self.token_cache.encode_pieces([req.query, *req.items])
         return query, items

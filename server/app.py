@@ -20,12 +20,7 @@ from absl import logging
 from runtime.engine import Engine
 from runtime.errors import STATUSES, ScoreError
 from runtime.job import ScoreResult
-from runtime.request import (
-    RerankRequest,
-    ScoreRequest,
-    parse_rerank_request,
-    parse_score_request,
-)
+from runtime.request import RerankRequest, ScoreRequest, parse_rerank_request
 from runtime.rerank import RerankResult
 from server.access import AccessPolicy
 from server.access_log import AccessLog
@@ -41,7 +36,7 @@ from server.http import (
     request_begins,
     send,
 )
-from server.json_codec import parse_json
+from server.json_codec import parse_json, parse_score_body
 from server.loop_futures import LoopFutures
 from server.metrics import ServerMetrics, prometheus_text
 from server.profiler import Profiler
@@ -261,8 +256,7 @@ class ScoreServer:
 
     async def _score(self, req: Request, gone) -> Answer:
         with jax.profiler.TraceAnnotation("parse_request"):
-            score_req = parse_score_request(parse_json(req.body),
-                                            not self.engine.cfg.is_classifier)
+            score_req = parse_score_body(req.body, not self.engine.cfg.is_classifier)
         submit = (functools.partial(self._text_batches.submit, score_req) if score_req.is_text
                   else functools.partial(self.engine.submit, score_req))
         result = await self._queued(submit, gone)

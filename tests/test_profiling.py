@@ -536,7 +536,7 @@ def test_bench_serving_loads_a_started_server_and_reads_its_counters(tmp_path):
     assert len(row["items_per_s_by_window"]) == 2
     assert row["texts_cached_share"] is None or 0 <= row["texts_cached_share"] <= 1
     path = result["request_path_us"]
-    assert set(path) == {"http_read", "json", "validate", "prepare", "answer", "total"}
+    assert set(path) == {"http_read", "parse", "prepare", "answer", "total"}
     assert all(v > 0 for v in path.values())
 
 
