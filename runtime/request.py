@@ -61,14 +61,15 @@ def parse_score_request(body, needs_labels: bool = True) -> ScoreRequest:
     if not isinstance(query, str):
         query = _token_list(query, "query")
     labels = body.get("label_token_ids")
-    return score_request(query, _items(body["items"]),
-                         None if labels is None else _token_list(labels, "label_token_ids"),
-                         _flag(body, "apply_softmax"), _flag(body, "item_first"), _model(body),
-                         needs_labels)
+    return checked_score_request(
+        query, _items(body["items"]),
+        None if labels is None else _token_list(labels, "label_token_ids"),
+        _flag(body, "apply_softmax"), _flag(body, "item_first"), _model(body), needs_labels)
 
 
-def score_request(query: str | Tokens, items: list, labels: Tokens | None, apply_softmax: bool,
-                  item_first: bool, model: str, needs_labels: bool = True) -> ScoreRequest:
+def checked_score_request(query: str | Tokens, items: list, labels: Tokens | None,
+                          apply_softmax: bool, item_first: bool, model: str,
+                          needs_labels: bool = True) -> ScoreRequest:
     """The request of fields of the right types (a text or a token-id list each, items all
     of one kind; `labels` None where the body has none), checked together."""
     if items and isinstance(items[0], str) != isinstance(query, str):

@@ -7,7 +7,7 @@ values, compact and in UTF-8."""
 import json
 
 from runtime.errors import ScoreError
-from runtime.request import ScoreRequest, parse_score_request, score_request
+from runtime.request import ScoreRequest, checked_score_request, parse_score_request
 
 try:
     import msgspec
@@ -62,7 +62,7 @@ def parse_score_body(body: bytes, needs_labels: bool = True) -> ScoreRequest:
     fields = None if msgspec is None else _typed_score_fields(body)
     if fields is None:
         return parse_score_request(parse_json(body), needs_labels)
-    return score_request(*fields, needs_labels)
+    return checked_score_request(*fields, needs_labels)
 
 
 def _typed_score_fields(body: bytes) -> tuple | None:
