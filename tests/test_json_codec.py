@@ -85,6 +85,16 @@ def _score_outcome(body: bytes, needs_labels: bool):
         return "error", e.message
 
 
+def _assert_read_alike(fields: dict, needs_labels: bool) -> None:
+    """msgspec's typed reading of the body gives the request, or the error, that JSON and then
+    runtime.request's checks give."""
+    body = json.dumps(fields).encode()
+    fast = _score_outcome(body, needs_labels)
+    with pytest.MonkeyPatch.context() as patch:
+        _standard_library(patch)
+        assert fast == _score_outcome(body, needs_labels)
+
+
 SCORE_CASES = [
     {"query": "q", "items": ["a", [1]], "label_token_ids": [1]},
     {"query": [1], "items": [[2], "a"], "label_token_ids": [1]},
@@ -107,23 +117,15 @@ SCORE_CASES = [
 @pytest.mark.parametrize("fields", SCORE_CASES, ids=range(len(SCORE_CASES)))
 def test_odd_score_bodies_read_as_the_standard_library_and_checks_read_them(fields,
                                                                            needs_labels):
-    body = json.dumps(fields).encode()
-    fast = _score_outcome(body, needs_labels)
-    with pytest.MonkeyPatch.context() as patch:
-        _standard_library(patch)
-        assert fast == _score_outcome(body, needs_labels)
+    _assert_read_alike(fields, needs_labels)
 
 
 @settings(max_examples=500, deadline=None)
 @given(SCORE_BODIES | ODD_SCORE_BODIES, st.booleans())
 def test_score_bodies_read_as_the_standard_library_and_checks_read_them(fields, needs_labels):
-    """msgspec's typed reading of a /v1/score body gives the request, or the error, that JSON
-    and then runtime.request's checks give: bools, floats, nulls and mixed items included."""
-    body = json.dumps(fields).encode()
-    fast = _score_outcome(body, needs_labels)
-    with pytest.MonkeyPatch.context() as patch:
-        _standard_library(patch)
-        assert fast == _score_outcome(body, needs_labels)
+    """Well-formed bodies, and bodies with a field made odd: bools, floats, nulls and mixed
+    items included."""
+    _assert_read_alike(fields, needs_labels)
 
 
 def test_a_well_formed_score_body_is_read_by_msgspec_alone(monkeypatch):
