@@ -18,7 +18,7 @@ import numpy as np
 from kernels.ragged_paged_attention import AttentionMetadata
 from model.batch import ForwardBatch
 from runtime.buckets import BatchShape
-from runtime.packing import Sequence
+from runtime.packing import Sequence, token_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,29 +64,23 @@ def _rows(lists, n_rows: int, width: int) -> np.ndarray:
     return out
 
 
-def _new(entries: list[ScheduledSeq], field: str, pads: list[np.ndarray] | None) -> np.ndarray:
-    """A per-token field of the sequences' new tokens, each followed by its padding (if any),
-    packed."""
-    if pads is None:
-        return _joined([getattr(e.seq, field)[e.cached:] for e in entries])
+def _new_tokens(entries: list[ScheduledSeq], pads: list[int]) -> np.ndarray:
+    """The sequences' new tokens, each followed by its padding tokens (zeros), packed."""
     return _joined([part for e, pad in zip(entries, pads)
-                    for part in (getattr(e.seq, field)[e.cached:], pad)])
+                    for part in (e.seq.tokens[e.cached:], np.zeros(pad, np.int32))])
 
 
-def _padding(entries: list[ScheduledSeq], page_size: int) -> list[np.ndarray]:
-    """The KV positions of each sequence's padding tokens, up to a whole page: a padding
-    token sees the shared tokens and itself, as a one-token item would."""
-    return [np.arange(len(e.seq.tokens), len(e.seq.tokens) + -e.new_tokens % page_size,
-                      dtype=np.int32) for e in entries]
+def _padding(entries: list[ScheduledSeq], page_size: int) -> list[int]:
+    """Each sequence's padding tokens, up to a whole page."""
+    return [-e.new_tokens % page_size for e in entries]
 
 
 def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
-               pads: list | None):
+               pads: list[int], visible_from: np.ndarray):
     partial = [e.cached for e in entries if e.cached % page_size]
     if partial:
         raise ValueError(f"{partial[0]} cached tokens are not whole pages of {page_size}")
-    extra = [0] * len(entries) if pads is None else [len(p) for p in pads]
-    lens = np.fromiter((e.new_tokens + n for e, n in zip(entries, extra)), np.int32,
+    lens = np.fromiter((e.new_tokens + n for e, n in zip(entries, pads)), np.int32,
                        len(entries))
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     md = AttentionMetadata(
@@ -94,14 +88,14 @@ def _attention(entries: list[ScheduledSeq], shape: BatchShape, page_size: int,
         kv_lens=_pad([e.cached + n for e, n in zip(entries, lens.tolist())], shape.seqs),
         page_indices=_rows([e.pages for e in entries], shape.seqs, shape.pages_per_seq),
         shared_lens=_pad([e.seq.shared_len for e in entries], shape.seqs),
-        visible_from=_pad(_new(entries, "visible_from", pads), shape.tokens))
+        visible_from=_pad(visible_from, shape.tokens))
     return md, offsets
 
 
 def _block_pages(entries: list[ScheduledSeq], shape: BatchShape, page_size: int, pads: list):
     """The page each block of page_size tokens of a page-aligned batch fills, -1 after the
     last sequence."""
-    pages = [e.pages[e.cached // page_size:][:(e.new_tokens + len(p)) // page_size]
+    pages = [e.pages[e.cached // page_size:][:(e.new_tokens + p) // page_size]
              for e, p in zip(entries, pads)]
     return _pad(_flat(pages), shape.tokens // page_size, fill=-1)
 
@@ -111,17 +105,17 @@ def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape:
                 page_aligned: bool = False) -> ForwardBatch:
     """`page_aligned`: each sequence's new tokens padded to whole pages (runtime.buckets),
     and the batch says which page each block of tokens fills."""
-    pads = _padding(entries, page_size) if page_aligned else None
-    attention, offsets = _attention(entries, shape, page_size, pads)
+    pads = _padding(entries, page_size) if page_aligned else [0] * len(entries)
+    positions, visible_from = token_fields([e.seq for e in entries],
+                                           [e.cached for e in entries], pads)
+    attention, offsets = _attention(entries, shape, page_size, pads, visible_from)
     rows = _joined([e.seq.score_rows + (o - e.cached) for o, e in zip(offsets.tolist(),
                                                                        entries)])
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
     return ForwardBatch(
-        tokens=_pad(_new(entries, "tokens",
-                         None if pads is None else [np.zeros_like(p) for p in pads]),
-                    shape.tokens),
-        positions=_pad(_new(entries, "positions", pads), shape.tokens),
+        tokens=_pad(_new_tokens(entries, pads), shape.tokens),
+        positions=_pad(positions, shape.tokens),
         attention=attention,
         score_rows=_pad(rows, shape.rows),
         label_ids=_rows(row_labels, shape.rows, shape.labels),

@@ -45,8 +45,7 @@ OUTBOX_MESSAGES = 100_000  # queued for a front end that is gone, beyond which t
 
 class WireUnit(msgspec.Struct, array_like=True):
     tokens: bytes  # int32 arrays, as packing.Sequence holds them
-    positions: bytes
-    visible_from: bytes
+    bounds: bytes
     score_rows: bytes
     shared_len: int
     cacheable: int
@@ -202,10 +201,9 @@ class ReplicaProcess:
 
     def submit(self, job: Job, units: list[Unit]) -> None:
         job_id = self.front.track(job, units, self)
-        wire = [WireUnit(u.seq.tokens.tobytes(), u.seq.positions.tobytes(),
-                         u.seq.visible_from.tobytes(), u.seq.score_rows.tobytes(),
-                         u.seq.shared_len, u.seq.cacheable, u.seq.first_row, u.items.start,
-                         u.items.stop) for u in units]
+        wire = [WireUnit(u.seq.tokens.tobytes(), u.seq.bounds.tobytes(),
+                         u.seq.score_rows.tobytes(), u.seq.shared_len, u.seq.cacheable,
+                         u.seq.first_row, u.items.start, u.items.stop) for u in units]
         try:
             self.send(Submit(self.front.address, job_id, job.labels, job.kind, wire))
         except ScoreError as e:
@@ -677,9 +675,8 @@ def _serve(scheduler: Scheduler, inbox, outbox: _Outbox, results: _Results) -> N
             job = jobs[message.front, message.job] = _RemoteJob(message, results, outbox,
                                                                 forget)
             units = [Unit(job, Sequence(
-                np.frombuffer(u.tokens, np.int32), np.frombuffer(u.positions, np.int32),
-                np.frombuffer(u.visible_from, np.int32), u.shared_len,
-                np.frombuffer(u.score_rows, np.int32), u.cacheable, u.first_row),
+                np.frombuffer(u.tokens, np.int32), np.frombuffer(u.bounds, np.int32),
+                u.shared_len, np.frombuffer(u.score_rows, np.int32), u.cacheable, u.first_row),
                 range(u.start, u.stop))
                 for u in message.units]
             try:

@@ -99,6 +99,53 @@ def test_a_page_aligned_batch_pads_each_sequence_to_whole_pages():
         buckets.shape(buckets.token_budget + 1)
 
 
+def _fields_by_definition(query: list, items: list[list], cached: int, pad: int):
+    """Positions and visible_from of a sequence's tokens from `cached` on, then `pad`
+    padding tokens, token by token: the query's token i at i, visible from 0; token j of an
+    item starting at s at len(query) + j, visible from s; a padding token at KV position i at
+    i, visible from i."""
+    fields, start = [(i, 0) for i in range(len(query))], len(query)
+    for item in items:
+        fields += [(len(query) + j, start) for j in range(len(item))]
+        start += len(item)
+    fields += [(i, i) for i in range(start, start + pad)]
+    return fields[cached:]
+
+
+@pytest.mark.parametrize("page_aligned", [False, True])
+def test_positions_and_visible_from_follow_each_token_s_part(page_aligned):
+    """Random batches of packed sequences (with and without a query, empty items anywhere,
+    causal prompts, cached pages): the batch's per-token fields, made a forward at a time,
+    are the definition's."""
+    rng = np.random.default_rng(int(page_aligned))
+    buckets = dataclasses.replace(ShapeBuckets(max_tokens=1024, max_seqs=8, max_rows=128,
+                                               max_labels=1, max_kv_len=256, page_size=PAGE),
+                                  page_aligned=page_aligned)
+    for _ in range(30):
+        entries, want = [], []
+        for _ in range(int(rng.integers(0, 7))):
+            query = [1] * int(rng.choice([0, 3, 8, 21]))
+            items = [[2] * int(rng.choice([0, 1, 5, 9])) for _ in range(rng.integers(1, 6))]
+            if not query:  # an item is then its own prompt, which is never empty
+                items = [item + [3] for item in items]
+            if rng.random() < 0.3:  # a causal prompt: an item without a query
+                query, items = [], [query + items[0] + [3]]
+                seq = causal_sequence(items[0])
+            else:
+                seq = multi_item_sequence(query, items)
+            cached = PAGE * int(rng.integers(0, max(seq.first_row, 0) // PAGE + 1))
+            entries.append(ScheduledSeq(seq, list(range(pages_needed(len(seq.tokens), PAGE))),
+                                        cached=cached))
+            pad = -entries[-1].new_tokens % PAGE if page_aligned else 0
+            want += _fields_by_definition(query, items, cached, pad)
+        labels = [[0] for e in entries for _ in e.seq.score_rows]
+        shape = buckets.shape(len(want), len(labels), len(entries))
+        batch = build_batch(entries, labels, shape, PAGE, page_aligned=page_aligned)
+        got = list(zip(batch.positions[:len(want)].tolist(),
+                       batch.attention.visible_from[:len(want)].tolist()))
+        assert got == want
+
+
 def test_cached_tokens_must_be_whole_pages():
     seq = causal_sequence(list(range(12)))
     with pytest.raises(ValueError, match="not whole pages of 8"):

@@ -40,7 +40,7 @@ def test_a_forwards_results_go_as_one_message_a_front_end():
     answered, then sends one message to each front end with the results of its jobs."""
     sent = _SentMessages()
     results = _Results(sent)
-    unit = WireUnit(b"", b"", b"", b"", 0, 0, 0, 0, 1)
+    unit = WireUnit(b"", b"", b"", 0, 0, 0, 0, 1)
     jobs = [_RemoteJob(Submit(front, job, [7, 8], "logits", [unit, unit]), results, sent,
                        lambda job: None) for front, job in (("a", 0), ("b", 1), ("a", 2))]
     for k, job in enumerate(jobs):
