@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 
 import jax
-import numpy as np
 from absl import logging
 
 from model.config import ModelConfig
@@ -216,19 +215,21 @@ class Engine:
         kind = ("label_softmax" if req.apply_softmax else
                 "logits" if self.cfg.is_classifier or req.raw_logits else "vocab_probs")
         job = Job(labels, len(items), len(parts), kind)
-        return job, [Unit(job, seq, scored) for seq, scored in parts], self._routing_key(req, query)
+        return job, [Unit(job, seq, scored) for seq, scored in parts], self._routing_key(req, parts)
 
     def _start_ids(self, req: ScoreRequest) -> list[int]:
         """What the tokenizer puts before a text prompt (e.g. BOS); ids come as they are."""
         return self.tokenizer.start_ids if req.is_text else []
 
-    def _routing_key(self, req: ScoreRequest, query: list[int]) -> bytes | None:
+    def _routing_key(self, req: ScoreRequest, parts: list[tuple[Sequence, range]]
+                     ) -> bytes | None:
         """A digest of what the request's units share and the prefix cache may hold: the
-        query, unless items come first."""
-        if req.item_first:
+        query as its packed sequences begin with it, unless items come first. None where
+        there is one replica to route to."""
+        if req.item_first or not parts or len(self.schedulers) == 1:
             return None
-        tokens = np.asarray(self._start_ids(req) + query, np.int64).tobytes()
-        return hashlib.blake2b(tokens, digest_size=16).digest()
+        seq = parts[0][0]
+        return hashlib.blake2b(seq.tokens[:seq.shared_len].tobytes(), digest_size=16).digest()
 
     def _labels(self, req: ScoreRequest) -> list[int]:
         if self.cfg.is_classifier:
