@@ -280,9 +280,12 @@ class Engine:
             for k, s in enumerate(seqs):
                 self._prompt_check(len(s.tokens), k, limit)
             return [(s, range(k, k + 1)) for k, s in enumerate(seqs)]
-        head, lens = start + query, [len(i) for i in items]
-        for k, n in enumerate(lens):
-            self._prompt_check(len(head) + n, k, limit)
+        head, lens = start + query, list(map(len, items))
+        if not 0 < len(head) + min(lens) <= len(head) + max(lens) <= limit:
+            for k, n in enumerate(lens):  # names the first item out of bounds
+                self._prompt_check(len(head) + n, k, limit)
+        if len(head) + sum(lens) <= limit and len(items) <= self.engine_cfg.max_rows:
+            return [(multi_item_sequence(head, items), range(len(items)))]  # one forward's
         chunks = item_chunks(len(head), lens, limit, self.engine_cfg.max_rows)
         return [(multi_item_sequence(head, [items[k] for k in c]), c) for c in chunks]
 

@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 from runtime.engine import Engine
+from runtime.errors import ScoreError
+from runtime.request import parse_score_request
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.tiny_models import VOCAB, small_config
@@ -35,6 +37,24 @@ def test_random_token_items_packed_equal_single(engines, seed):
         single = one_by_one(eng, query, items, labels, apply_softmax=apply_softmax)
         assert_scores_close(packed.scores, single)
     assert packed.prompt_tokens == len(query) + sum(map(len, items))
+
+
+@pytest.mark.parametrize("item_first", [False, True])
+def test_an_empty_or_too_long_prompt_is_refused_naming_its_first_item(engines, item_first):
+    """Refused as the request is taken apart (Engine.prepare), before any of it queues: a
+    prompt that fits no forward would wait for one forever."""
+    eng = engines["qwen3"]
+    limit = eng.max_prompt_tokens
+
+    def prepare(query, items):
+        return eng.prepare(parse_score_request(dict(query=query, items=items, label_token_ids=[1],
+                                                    item_first=item_first), True))
+    with pytest.raises(ScoreError, match=r"the prompt of items\[1\] is empty"):
+        prepare([], [[1], [], []])
+    with pytest.raises(ScoreError, match=rf"the prompt of items\[2\] has {limit + 1} tokens, "
+                                         rf"more than the maximum of {limit}"):
+        prepare([1, 2], [[1], [3] * (limit - 2), [3] * (limit - 1), [4] * limit, []])
+    assert len(eng.score([1], [[2] * (limit - 1), []], [1], item_first=item_first).scores) == 2
 
 
 def test_chunked_request_equals_unchunked(model_dirs, engines):
