@@ -4,8 +4,8 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.errors import ScoreError
-from runtime.request import parse_score_request
 from runtime.packing import causal_sequence, item_chunks, multi_item_sequence
+from runtime.request import parse_score_request
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
 from tests.tiny_models import VOCAB, small_config
 
