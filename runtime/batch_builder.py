@@ -64,10 +64,13 @@ def _rows(lists, n_rows: int, width: int) -> np.ndarray:
     return out
 
 
-def _new_tokens(entries: list[ScheduledSeq], pads: list[int]) -> np.ndarray:
-    """The sequences' new tokens, each followed by its padding tokens (zeros), packed."""
-    return _joined([part for e, pad in zip(entries, pads)
-                    for part in (e.seq.tokens[e.cached:], np.zeros(pad, np.int32))])
+def _new_tokens(entries: list[ScheduledSeq], offsets: np.ndarray, size: int) -> np.ndarray:
+    """The sequences' new tokens, each at its packed offset; zeros between (the padding) and
+    after."""
+    out = np.zeros(size, np.int32)
+    for e, start in zip(entries, offsets.tolist()):
+        out[start:start + e.new_tokens] = e.seq.tokens[e.cached:]
+    return out
 
 
 def _padding(entries: list[ScheduledSeq], page_size: int) -> list[int]:
@@ -108,14 +111,15 @@ def build_batch(entries: list[ScheduledSeq], row_labels: list[list[int]], shape:
     pads = _padding(entries, page_size) if page_aligned else [0] * len(entries)
     positions, visible_from = token_fields([e.seq for e in entries],
                                            [e.cached for e in entries], pads)
+    positions = _pad(positions, shape.tokens)  # refuses more tokens than the shape holds
     attention, offsets = _attention(entries, shape, page_size, pads, visible_from)
     rows = _joined([e.seq.score_rows + (o - e.cached) for o, e in zip(offsets.tolist(),
                                                                        entries)])
     if len(row_labels) != len(rows):
         raise ValueError(f"{len(row_labels)} label lists for {len(rows)} scored rows")
     return ForwardBatch(
-        tokens=_pad(_new_tokens(entries, pads), shape.tokens),
-        positions=_pad(positions, shape.tokens),
+        tokens=_new_tokens(entries, offsets, shape.tokens),
+        positions=positions,
         attention=attention,
         score_rows=_pad(rows, shape.rows),
         label_ids=_rows(row_labels, shape.rows, shape.labels),

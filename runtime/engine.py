@@ -284,10 +284,8 @@ class Engine:
         if not 0 < len(head) + min(lens) <= len(head) + max(lens) <= limit:
             for k, n in enumerate(lens):  # names the first item out of bounds
                 self._prompt_check(len(head) + n, k, limit)
-        if len(head) + sum(lens) <= limit and len(items) <= self.engine_cfg.max_rows:
-            return [(multi_item_sequence(head, items), range(len(items)))]  # one sequence
         chunks = item_chunks(len(head), lens, limit, self.engine_cfg.max_rows)
-        return [(multi_item_sequence(head, [items[k] for k in c]), c) for c in chunks]
+        return [(multi_item_sequence(head, items[c.start:c.stop]), c) for c in chunks]
 
 
 def _reranker(name: str, tokenizer: TextTokenizer,

@@ -62,7 +62,7 @@ def token_fields(seqs: list[Sequence], skips: list[int],
     request's hundreds."""
     if not seqs:
         return np.zeros(0, np.int32), np.zeros(0, np.int32)
-    counts = np.fromiter(map(len, (s.bounds for s in seqs)), np.int64, len(seqs))
+    counts = np.fromiter((len(s.bounds) for s in seqs), np.int64, len(seqs))
     sizes = np.fromiter((len(s.tokens) - k + p for s, k, p in zip(seqs, skips, pads)),
                         np.int64, len(seqs))
     total = int(sizes.sum())
@@ -86,6 +86,8 @@ def token_fields(seqs: list[Sequence], skips: list[int],
 def item_chunks(query_len: int, item_lens: list[int], budget: int, max_items: int) -> list[range]:
     """Groups consecutive items so that query + items of a group fit in `budget` tokens
     and a group has at most `max_items` items (empty items cost a scored row, not a token)."""
+    if query_len + sum(item_lens) <= budget and len(item_lens) <= max_items:
+        return [range(len(item_lens))] if item_lens else []  # one group, without the walk
     chunks, start, used = [], 0, query_len
     for k, n in enumerate(item_lens):
         if k > start and (used + n > budget or k - start == max_items):
