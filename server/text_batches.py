@@ -1,6 +1,8 @@
-"""Text score requests that arrive in one turn of the event loop, tokenized and submitted
-together off it (Engine.submit_all): one hop to a worker thread and one call of the
-tokenizer's batch encoding for them all, instead of one each."""
+"""Text score requests tokenized and submitted off the event loop in batches
+(Engine.submit_all): one batch at a time on a worker thread, one call of the tokenizer's batch
+encoding for each. The requests of a turn of the event loop make a batch; those that arrive
+while one is being tokenized wait for it and go together in the next, so that batches grow
+with the load instead of the hops to worker threads."""
 import asyncio
 import concurrent.futures
 from typing import Callable
@@ -14,12 +16,13 @@ class TextBatches:
     def __init__(self, submit_all: SubmitAll):
         self._submit_all = submit_all
         self._pending: list[tuple[ScoreRequest, asyncio.Future]] = []
+        self._running = False  # a batch is with the worker thread
 
     def submit(self, req: ScoreRequest) -> asyncio.Future:
-        """Resolves to the engine's future for `req` (or raises its ScoreError) once the
-        requests of this turn of the loop are submitted."""
+        """Resolves to the engine's future for `req` (or raises its ScoreError) once its
+        batch is submitted."""
         loop = asyncio.get_running_loop()
-        if not self._pending:
+        if not self._pending and not self._running:
             loop.call_soon(self._flush, loop)
         submitted = loop.create_future()
         self._pending.append((req, submitted))
@@ -28,7 +31,14 @@ class TextBatches:
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self._pending = self._pending, []
         done = loop.run_in_executor(None, self._submit_all, [req for req, _ in batch])
-        done.add_done_callback(lambda _: _settle(batch, done))
+        self._running = True
+        done.add_done_callback(lambda _: self._finished(loop, batch, done))
+
+    def _finished(self, loop: asyncio.AbstractEventLoop, batch, done: asyncio.Future) -> None:
+        self._running = False
+        _settle(batch, done)
+        if self._pending:
+            self._flush(loop)
 
 
 def _settle(batch: list[tuple[ScoreRequest, asyncio.Future]], done: asyncio.Future) -> None:

@@ -1,6 +1,9 @@
 """Text requests of one turn of the event loop go to the engine together (server.text_batches,
-Engine.submit_all): one call, the same scores as one by one, a bad request failing alone."""
+Engine.submit_all): one call, the same scores as one by one, a bad request failing alone;
+those that come while a batch is with the worker go together in the next."""
 import asyncio
+import concurrent.futures
+import threading
 
 import pytest
 
@@ -42,3 +45,37 @@ def test_a_turns_text_requests_are_submitted_in_one_call_with_the_same_scores(en
         else:
             assert_scores_close(future.result(60).scores, engine.score(**body).scores,
                                 atol=1e-6)
+
+
+def test_requests_that_come_while_a_batch_is_tokenized_go_together_in_the_next():
+    """One batch at a time with the worker: the three sent while the first is held go in one
+    call after it, each request its own engine future."""
+    release, calls = threading.Event(), []
+
+    def submit_all(reqs):
+        calls.append([req.query for req in reqs])
+        if len(calls) == 1:
+            release.wait(10)
+        return [_resolved(req.query) for req in reqs]
+
+    async def run():
+        batches = TextBatches(submit_all)
+        first = batches.submit(parse_score_request(TEXT[0]))
+        while not calls:  # the first batch is with the worker
+            await asyncio.sleep(0.001)
+        rest = [batches.submit(parse_score_request({**TEXT[1], "query": q}))
+                for q in ("a", "b", "c")]
+        await asyncio.sleep(0.05)
+        assert len(calls) == 1  # the three wait for the first
+        release.set()
+        return await asyncio.gather(first, *rest)
+
+    futures = asyncio.run(run())
+    assert calls == [[TEXT[0]["query"]], ["a", "b", "c"]]
+    assert [f.result() for f in futures] == [TEXT[0]["query"], "a", "b", "c"]
+
+
+def _resolved(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
