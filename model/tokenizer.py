@@ -40,6 +40,10 @@ class TextTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def save(self, path: str) -> None:
+        """As a tokenizer.json (what a GGUF describes, written as an HF checkpoint's)."""
+        self._tok.save(path)
+
 
 def _start_ids(tok: tokenizers.Tokenizer) -> list[int]:
     """The special tokens the tokenizer's post-processor puts before a text (e.g. BOS)."""

@@ -39,6 +39,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from model.loader import load_front
 from model.tokenizer import TextTokenizer
 from profiling import random_checkpoint
 from profiling.random_checkpoint import SPECIAL_TOKENS
@@ -73,6 +74,8 @@ def define_flags() -> None:
     flags.DEFINE_float("duration", 20.0, "seconds measured per level")
     flags.DEFINE_float("warmup", 3.0, "seconds of load before each level's measurement")
     flags.DEFINE_bool("text", False, "text queries and items, tokenized by the server")
+    flags.DEFINE_bool("embedded_tokenizer", False, "the default checkpoint with the embedded "
+                      "SmolLM2's tokenizer (49,152 tokens) instead of the toy one")
     flags.DEFINE_integer("shelf", 0, "items drawn from a shelf of this many; 0: every item "
                          "its own")
     flags.DEFINE_float("window", 0.0, "also items/s per window of this many seconds; 0: none")
@@ -84,8 +87,17 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "write the results as JSON here")
 
 
-def tiny_checkpoint(directory: str) -> str:
-    return random_checkpoint.write_checkpoint(directory, TINY, seed=0)
+def tiny_checkpoint(directory: str, embedded_tokenizer: bool = False) -> str:
+    """The tiny random Qwen3; with `embedded_tokenizer`, the embedded SmolLM2's tokenizer (a
+    real byte-level BPE of 49,152 tokens) and a vocabulary of its size instead of the toy
+    tokenizer of 320: what tokenizing costs with a real vocabulary."""
+    if not embedded_tokenizer:
+        return random_checkpoint.write_checkpoint(directory, TINY, seed=0)
+    tokenizer = load_front(None)[1]
+    path = random_checkpoint.write_checkpoint(
+        directory, {**TINY, "vocab_size": tokenizer.vocab_size}, seed=0)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    return path
 
 
 class Bodies:
@@ -290,7 +302,8 @@ def _fmt(value, spec: str) -> str:
 def main(argv) -> None:
     del argv
     with tempfile.TemporaryDirectory() as scratch:
-        model = FLAGS.model_path or tiny_checkpoint(os.path.join(scratch, "tiny"))
+        model = FLAGS.model_path or tiny_checkpoint(os.path.join(scratch, "tiny"),
+                                                    FLAGS.embedded_tokenizer)
         result = run(model, FLAGS.server_roots, [int(c) for c in FLAGS.concurrency],
                      FLAGS.duration, FLAGS.warmup, FLAGS.text, FLAGS.window, FLAGS.server_args,
                      FLAGS.seed, FLAGS.chip, FLAGS.chips, FLAGS.shelf)

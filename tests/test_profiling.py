@@ -553,6 +553,19 @@ def test_bench_serving_draws_a_requests_items_from_a_shelf():
         Bodies(320, 0, count=2, shelf=5)
 
 
+def test_bench_serving_can_tokenize_with_the_embedded_models_tokenizer(tmp_path):
+    """--embedded_tokenizer: the tiny checkpoint with SmolLM2's tokenizer and a vocabulary its
+    size, read back as the server reads it: the same ids as the GGUF's own tokenizer."""
+    from model.loader import load_front
+    from profiling.bench_serving import tiny_checkpoint
+    model = tiny_checkpoint(str(tmp_path / "tiny"), embedded_tokenizer=True)
+    front_cfg, saved = load_front(model)
+    embedded = load_front(None)[1]
+    assert front_cfg.vocab_size == saved.vocab_size == embedded.vocab_size == 49152
+    text = ["Tokyo is the capital of Japan, 1,234 km away", " a shelf item"]
+    assert saved.encode_pieces(text) == embedded.encode_pieces(text)
+
+
 def test_a_simulated_chip_holds_forwards_one_after_another_without_cpu(tmp_path):
     """Two forwards dispatched at once end after both estimates, the chip's log holds their
     seconds and count, and waiting for them takes no CPU; the times interpolate linearly
