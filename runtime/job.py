@@ -1,6 +1,7 @@
 """One scoring request in the runtime: its work units and its result, filled as units finish."""
 import concurrent.futures
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -28,6 +29,26 @@ def label_scores(logits: np.ndarray, lse: np.ndarray, kind: str) -> np.ndarray:
     return np.exp(logits - lse[:, None])
 
 
+def forward_scores(logits: np.ndarray, lse: np.ndarray, units: list[tuple[str, int, int]]
+                   ) -> list[np.ndarray]:
+    """label_scores of each unit's rows of a forward: `units`, each one's (kind, labels, rows)
+    in the forward's row order. Consecutive units alike are computed in one call: a row's
+    scores are its own row's alone (the same numbers), and a call costs some 14 µs of NumPy
+    overhead for a request's 10 rows as for a forward's hundreds."""
+    out, row = [], 0
+    for (kind, labels), alike in itertools.groupby(units, key=lambda u: u[:2]):
+        sizes = [n for _, _, n in alike]
+        stop = row + sum(sizes)
+        scores = label_scores(np.ascontiguousarray(logits[row:stop, :labels]), lse[row:stop],
+                              kind)
+        at = 0
+        for n in sizes:
+            out.append(scores[at:at + n])
+            at += n
+        row = stop
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class Job:
     """Answered when its `n_units` units are done; only `unit_done` and `fail` change it."""
@@ -41,8 +62,7 @@ class Job:
     def __post_init__(self):
         if self.kind not in SCORE_KINDS:
             raise ValueError(f"a job's scores are one of {SCORE_KINDS}, not {self.kind!r}")
-        self.logits = np.zeros((self.n_items, len(self.labels)))
-        self.lse = np.zeros(self.n_items)
+        self.scores = np.zeros((self.n_items, len(self.labels)))
         self._pending, self._prompt_tokens = self.n_units, 0
         if self.n_units == 0:  # nothing to score
             self._answer()
@@ -56,17 +76,16 @@ class Job:
         """False once cancelled, failed or answered: its remaining units are dropped."""
         return not self.future.done()
 
-    def unit_done(self, items: range, logits: np.ndarray, lse: np.ndarray,
-                  prompt_tokens: int) -> None:
-        rows = slice(items.start, items.stop)  # a unit's items are consecutive
-        self.logits[rows], self.lse[rows] = logits[:, :len(self.labels)], lse
+    def unit_done(self, items: range, scores: np.ndarray, prompt_tokens: int) -> None:
+        """`scores`: the unit's items' label_scores (forward_scores)."""
+        self.scores[items.start:items.stop] = scores  # a unit's items are consecutive
         self._pending, self._prompt_tokens = self._pending - 1, self._prompt_tokens + prompt_tokens
         if self._pending == 0:
             self._answer()
 
     def _answer(self) -> None:
-        scores = label_scores(self.logits, self.lse, self.kind)
-        self._settle(lambda f: f.set_result(ScoreResult(scores.tolist(), self._prompt_tokens)))
+        result = ScoreResult(self.scores.tolist(), self._prompt_tokens)
+        self._settle(lambda f: f.set_result(result))
 
     def fail(self, error: ScoreError) -> None:
         self._settle(lambda f: f.set_exception(error))

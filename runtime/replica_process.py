@@ -77,8 +77,7 @@ class Done(msgspec.Struct, array_like=True):
     job: int
     start: int
     stop: int
-    logits: bytes  # float64 [stop - start, labels]
-    lse: bytes     # float64 [stop - start]
+    scores: bytes  # float64 [stop - start, labels]
     prompt_tokens: int
 
 
@@ -483,10 +482,10 @@ class FrontEnd:
             if tracked is None:
                 return  # settled already (cancelled or failed)
             tracked.replica.load_tokens -= tracked.tokens.pop(message.start)
-        logits = np.frombuffer(message.logits, np.float64)
+        scores = np.frombuffer(message.scores, np.float64)
         tracked.job.unit_done(range(message.start, message.stop),
-                              logits.reshape(message.stop - message.start, -1),
-                              np.frombuffer(message.lse, np.float64), message.prompt_tokens)
+                              scores.reshape(message.stop - message.start, -1),
+                              message.prompt_tokens)
 
     def closed(self, replica: ReplicaProcess) -> None:
         """`replica` is closed; once all are, so is this end (its reader stops)."""
@@ -576,12 +575,10 @@ class _RemoteJob:
         self._results, self._outbox, self._forget = results, outbox, forget
         self._pending, self.active = len(message.units), True
 
-    def unit_done(self, items: range, logits: np.ndarray, lse: np.ndarray,
-                  prompt_tokens: int) -> None:
-        rows = np.ascontiguousarray(logits[:, :len(self.labels)], np.float64)
-        self._results.add(self.front, Done(self.id, items.start, items.stop, rows.tobytes(),
-                                           np.ascontiguousarray(lse, np.float64).tobytes(),
-                                           prompt_tokens))
+    def unit_done(self, items: range, scores: np.ndarray, prompt_tokens: int) -> None:
+        self._results.add(self.front, Done(
+            self.id, items.start, items.stop,
+            np.ascontiguousarray(scores, np.float64).tobytes(), prompt_tokens))
         self._pending -= 1
         if self._pending == 0:
             self.settle()

@@ -27,7 +27,7 @@ from absl import logging
 from runtime.batch_builder import ScheduledSeq, build_batch
 from runtime.buckets import BatchShape, ShapeBuckets, pages_needed
 from runtime.errors import ScoreError
-from runtime.job import Job, Unit
+from runtime.job import Job, Unit, forward_scores
 from runtime.model_runner import ModelRunner, Pending
 from runtime.pages import PagePool
 from runtime.prefix_cache import PrefixCache
@@ -293,14 +293,12 @@ class Scheduler:
         self.stats.forwards += 1
         self.stats.host_s += forward.host_s
         self.stats.padded_tokens += forward.shape.tokens
-        row = 0
-        for unit, entry in forward.batch:
-            n = len(unit.items)
+        scores = forward_scores(logits, lse, [(u.job.kind, len(u.job.labels), len(u.items))
+                                              for u, _ in forward.batch])
+        for (unit, entry), unit_scores in zip(forward.batch, scores):
             self.stats.computed_tokens += entry.new_tokens
             self.stats.cached_tokens += entry.cached
-            unit.job.unit_done(unit.items, logits[row:row + n], lse[row:row + n],
-                               len(unit.seq.tokens))
-            row += n
+            unit.job.unit_done(unit.items, unit_scores, len(unit.seq.tokens))
         self._answered()
         answering = time.thread_time() - start
         forward.host_s += answering

@@ -44,11 +44,11 @@ def test_a_forwards_results_go_as_one_message_a_front_end():
     jobs = [_RemoteJob(Submit(front, job, [7, 8], "logits", [unit, unit]), results, sent,
                        lambda job: None) for front, job in (("a", 0), ("b", 1), ("a", 2))]
     for k, job in enumerate(jobs):
-        job.unit_done(range(0, 1), np.full((1, 2), k), np.zeros(1), 10)
-    jobs[0].unit_done(range(1, 2), np.full((1, 2), 3), np.zeros(1), 10)
+        job.unit_done(range(0, 1), np.full((1, 2), k), 10)
+    jobs[0].unit_done(range(1, 2), np.full((1, 2), 3), 10)
     assert sent == []
     results.send()
-    assert [(front, [(d.job, d.start, np.frombuffer(d.logits).tolist()) for d in m.done])
+    assert [(front, [(d.job, d.start, np.frombuffer(d.scores).tolist()) for d in m.done])
             for front, m in sent] == [("a", [(0, 0, [0, 0]), (2, 0, [2, 2]), (0, 1, [3, 3])]),
                                       ("b", [(1, 0, [1, 1])])]
     results.send()

@@ -1,11 +1,13 @@
 """Which waiting units a forward takes (CONTRACT §5): fair between large and small requests, or
-first come, first served; the order is asserted, never timed."""
+first come, first served; the order is asserted, never timed. And a forward's scores, each
+unit's own."""
 import concurrent.futures
 
+import numpy as np
 import pytest
 
 from runtime.engine import Engine
-from runtime.job import Job, Unit
+from runtime.job import Job, Unit, forward_scores, label_scores
 from runtime.request import parse_score_request
 from runtime.wait_queue import WaitQueue
 from tests.assertions import assert_no_leaked_pages, assert_scores_close
@@ -126,3 +128,19 @@ def test_a_small_request_behind_a_large_one(model_dirs, monkeypatch, policy, row
         assert_no_leaked_pages(engine)
     finally:
         engine.close()
+
+
+def test_a_forwards_scores_are_each_units_own():
+    """forward_scores computes runs of alike units in one call: each unit's scores equal, bit
+    for bit, label_scores of its rows alone, whatever kind and labels its neighbours have."""
+    rng = np.random.default_rng(3)
+    units = [("label_softmax", 2, 3), ("label_softmax", 2, 1), ("vocab_probs", 2, 2),
+             ("label_softmax", 5, 4), ("logits", 5, 2), ("label_softmax", 2, 9)]
+    rows = sum(n for _, _, n in units)
+    logits, lse = rng.normal(size=(rows + 3, 8)) * 4, rng.normal(size=rows + 3) + 6
+    scores, row = forward_scores(logits, lse, units), 0
+    assert len(scores) == len(units)
+    for (kind, labels, n), got in zip(units, scores):
+        alone = label_scores(logits[row:row + n, :labels].copy(), lse[row:row + n], kind)
+        assert got.shape == (n, labels) and np.array_equal(got, alone), kind
+        row += n
