@@ -4,10 +4,11 @@ this process, closed loop, at rising concurrency.
 
 python -m profiling.bench_serving [--model-path DIR] [--server-roots .,/tmp/old]
     [--concurrency 1,4,16,64] [--duration 20] [--warmup 3] [--text] [--shelf 0] [--window 0]
-    [--chip Qwen3-0.6B --chips 1] [--server-args ""] [--out serving.json]
+    [--chip Qwen3-0.6B --chips 1] [--embedded_tokenizer] [--server-args ""] [--out serving.json]
 
 Without --model-path it writes the tiny checkpoint (2 layers, hidden 64, Qwen3,
-profiling.random_checkpoint). Each of --server-roots is a checkout whose `python -m server`
+profiling.random_checkpoint), with a toy tokenizer of 320 tokens or, --embedded_tokenizer,
+the embedded SmolLM2's (49,152). Each of --server-roots is a checkout whose `python -m server`
 runs in turn (e.g. the code before a change, checked out with `git worktree add`), on the
 same model and client, with --noaccess_log unless --server-args says --access_log (a
 server's default: some 0.03-0.05 ms of CPU a request, docs/host_path.md). Requests: a
