@@ -41,10 +41,7 @@ def forward_scores(logits: np.ndarray, lse: np.ndarray, units: list[tuple[str, i
         stop = row + sum(sizes)
         scores = label_scores(np.ascontiguousarray(logits[row:stop, :labels]), lse[row:stop],
                               kind)
-        at = 0
-        for n in sizes:
-            out.append(scores[at:at + n])
-            at += n
+        out += [scores[at:at + n] for at, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
         row = stop
     return out
 
