@@ -11,9 +11,10 @@ but (hidden / heads) ** -0.5 at 27B).
 import os
 
 import numpy as np
-from gguf import GGUFReader, dequantize
+from gguf import dequantize
 
 from model.config import NO_WINDOW, ModelConfig
+from model.gguf_file import GGUFFile, GGUFTensor
 from model.gguf_tokenizer import gguf_tokenizer
 from model.params import build_params
 from model.tokenizer import TextTokenizer
@@ -36,17 +37,12 @@ _LARGEST = {"gemma2": 46, "gemma3": 62}  # the 27B's layers: its query scale is 
 _LOCAL_ROPE_THETA = 10000.0
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader: GGUFReader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def gguf_config(reader: GGUFFile) -> ModelConfig:
+    arch = reader.fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(general.architecture: {', '.join(_ARCHITECTURES)})")
-    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: reader.fields.get(f"{arch}.{key}", default)  # noqa: E731
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     layers = int(get("block_count"))
@@ -133,7 +129,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _dequantized(tensor, cfg: ModelConfig) -> np.ndarray:
+def _dequantized(tensor: GGUFTensor, cfg: ModelConfig) -> np.ndarray:
     w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     w = w.reshape(tuple(reversed([int(n) for n in tensor.shape])))
     if cfg.norm_offset and tensor.name.endswith("norm.weight"):
@@ -150,7 +146,7 @@ def _dequantized(tensor, cfg: ModelConfig) -> np.ndarray:
 def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file {path}")
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     cfg = gguf_config(reader)
     by_name = {hf_name(t.name, cfg): t for t in reader.tensors}
 

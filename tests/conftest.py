@@ -115,7 +115,7 @@ def numpy_models(model_dirs) -> dict[str, NumpyDecoder]:
 
 @pytest.fixture(scope="session")
 def embedded_config() -> ModelConfig:
-    """The embedded SmolLM2's config: read from its GGUF, which takes 4 s here."""
+    """The embedded SmolLM2's config, read from its GGUF."""
     return load_config(None)
 
 
