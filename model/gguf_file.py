@@ -15,6 +15,7 @@ from gguf import (
     GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
+    GGUF_VERSION,
     GGMLQuantizationType,
     GGUFValueType,
 )
@@ -28,7 +29,7 @@ _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.
              GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
              GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
              GGMLQuantizationType.I64: np.int64}
-_VERSIONS = (2, 3)
+_VERSIONS = (2, GGUF_VERSION)
 
 
 class GGUFTensor(NamedTuple):
@@ -38,23 +39,31 @@ class GGUFTensor(NamedTuple):
     data: np.ndarray  # row-major (shape reversed); a quantized type's rows as bytes
 
 
-class GGUFFile:
-    """`fields`: {key: value} (str, int, float, bool, or a list of them); `tensors` in the
-    file's order. Raises ValueError for a file that is not GGUF or is cut short."""
+class GGUFFile(NamedTuple):
+    fields: dict  # {key: value}: str, int, float, bool, or a list of them
+    tensors: list[GGUFTensor]  # in the file's order
 
-    def __init__(self, path: str):
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            if size < 8:
-                raise ValueError(f"{path} is not a GGUF file ({size} bytes)")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._offset, self._order = 0, "<"
-        try:
-            self._read_header(path)
-        except struct.error:
-            raise ValueError(f"{path}: the GGUF header ends past the file's end") from None
 
-    def _read_header(self, path: str) -> None:
+def read_gguf(path: str) -> GGUFFile:
+    """Raises ValueError for a file that is not GGUF or is cut short."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 8:
+            raise ValueError(f"{path} is not a GGUF file ({size} bytes)")
+        header = _Header(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    try:
+        return header.read(path)
+    except struct.error:
+        raise ValueError(f"{path}: the GGUF header ends past the file's end") from None
+
+
+class _Header:
+    """Reads the header from the file's start, value by value."""
+
+    def __init__(self, mapped: mmap.mmap):
+        self._map, self._offset, self._order = mapped, 0, "<"
+
+    def read(self, path: str) -> GGUFFile:
         magic, version = self._unpack("II")
         if magic != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
@@ -63,17 +72,17 @@ class GGUFFile:
         if version not in _VERSIONS:
             raise ValueError(f"{path} is GGUF version {version}; {_VERSIONS} can be read")
         tensor_count, field_count = self._unpack("QQ")
-        self.fields = {}
+        fields = {}
         for _ in range(field_count):
             key = self._string()
-            self.fields[key] = self._value(self._unpack("I")[0])
+            fields[key] = self._value(self._unpack("I")[0])
         infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        alignment = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"{path}: general.alignment {alignment!r} is not a power of two")
         start = -(-self._offset // alignment) * alignment
         whole = np.frombuffer(self._map, np.uint8)
-        self.tensors = [self._tensor(whole, start, *info, path) for info in infos]
+        return GGUFFile(fields, [self._tensor(whole, start, *info, path) for info in infos])
 
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(self._order + fmt, self._map, self._offset)

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import dequantize
 
 from model.config import NO_WINDOW, ModelConfig
-from model.gguf_file import GGUFFile, GGUFTensor
+from model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from model.gguf_tokenizer import gguf_tokenizer
 from model.params import build_params
 from model.tokenizer import TextTokenizer
@@ -146,7 +146,7 @@ def _dequantized(tensor: GGUFTensor, cfg: ModelConfig) -> np.ndarray:
 def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file {path}")
-    reader = GGUFFile(path)
+    reader = read_gguf(path)
     cfg = gguf_config(reader)
     by_name = {hf_name(t.name, cfg): t for t in reader.tensors}
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from gguf import GGMLQuantizationType
 
 from model.config import ModelConfig, int8_config, load_hf_config
-from model.gguf_file import GGUFFile
+from model.gguf_file import read_gguf
 from model.gguf_loader import gguf_config, load_gguf_model
 from model.gguf_tokenizer import gguf_tokenizer
 from model.hf_loader import load_hf_model
@@ -67,7 +67,7 @@ def load_front(path: str | None, quantization: str = ""
     gives it."""
     path = path or embedded_model_path()
     if _is_gguf(path):
-        reader = GGUFFile(path)
+        reader = read_gguf(path)
         cfg, tokenizer = gguf_config(reader), gguf_tokenizer(reader)
     else:
         cfg = load_hf_config(path)
@@ -80,7 +80,7 @@ def load_front(path: str | None, quantization: str = ""
 def load_config(path: str | None) -> ModelConfig:
     """The model's config alone, without reading its weights."""
     path = path or embedded_model_path()
-    return gguf_config(GGUFFile(path)) if _is_gguf(path) else load_hf_config(path)
+    return gguf_config(read_gguf(path)) if _is_gguf(path) else load_hf_config(path)
 
 
 def checkpoint_dtype(path: str | None) -> str:
@@ -89,7 +89,7 @@ def checkpoint_dtype(path: str | None) -> str:
     does not say is float32."""
     path = path or embedded_model_path()
     if _is_gguf(path):
-        stored = {t.tensor_type for t in GGUFFile(path).tensors}
+        stored = {t.tensor_type for t in read_gguf(path).tensors}
         return "float32" if stored <= {GGMLQuantizationType.F32} else "bfloat16"
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         hf = json.load(f)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model.config import NO_WINDOW
-from model.gguf_file import GGUFFile
+from model.gguf_file import read_gguf
 from model.gguf_loader import gguf_config
 from model.gguf_tokenizer import gguf_tokenizer
 from model.loader import load_model
@@ -80,7 +80,7 @@ def test_a_gemma_gguf_tokenizes_as_transformers_reads_it(converted):
     with open(os.path.join(os.path.dirname(__file__), "data", "hf_gguf_tokens.json")) as f:
         want = json.load(f)
     assert want["tokens"] == vocabulary(GGUF_VOCAB)[0]  # the fixture is the one stored
-    tok = gguf_tokenizer(GGUFFile(converted["gemma3"][1]))
+    tok = gguf_tokenizer(read_gguf(converted["gemma3"][1]))
     assert [tok.encode(text) for text in want["texts"]] == want["ids"]
     assert tok.start_ids == want["start_ids"] == [2]
     assert tok.decode(tok.encode("  the  theater\nand")) == "  the  theater\nand"
@@ -120,7 +120,7 @@ def _value_type(value):
 
 
 def read_config(path):
-    return gguf_config(GGUFFile(path))
+    return gguf_config(read_gguf(path))
 
 
 def test_what_a_gemma_gguf_leaves_out_is_what_llama_cpp_assumes(tmp_path):
@@ -157,4 +157,4 @@ def test_a_gguf_we_cannot_serve_is_refused_naming_the_key(tmp_path, arch, keys, 
 def test_a_sentencepiece_gguf_with_a_space_prefix_is_refused(tmp_path):
     path = metadata_only(tmp_path / "m.gguf", "llama")  # add_space_prefix unsaid: true
     with pytest.raises(ValueError, match="add_space_prefix"):
-        gguf_tokenizer(GGUFFile(path))
+        gguf_tokenizer(read_gguf(path))

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from model.gguf_file import GGUFFile
+from model.gguf_file import read_gguf
 
 VALUES = {"u8": (250, V.UINT8), "i8": (-3, V.INT8), "u16": (65000, V.UINT16),
           "i16": (-300, V.INT16), "u32": (2**32 - 1, V.UINT32), "i32": (-70000, V.INT32),
@@ -40,7 +40,7 @@ def write(path, endianess: gguf.GGUFEndian) -> str:
 @pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
 def test_every_value_and_tensor_reads_as_ggufs_reader_reads_it(tmp_path, endianess):
     path = write(tmp_path / "m.gguf", endianess)
-    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
     want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert ours.fields == want
     assert [type(v) for v in ours.fields.values()] == [type(v) for v in want.values()]
@@ -67,4 +67,4 @@ def test_a_file_not_gguf_or_cut_short_is_named(tmp_path):
     for name, data in cuts.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError, match=messages[name]):
-            GGUFFile(str(tmp_path / name))
+            read_gguf(str(tmp_path / name))

@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from model.config import ModelConfig
-from model.gguf_file import GGUFFile
+from model.gguf_file import read_gguf
 from model.gguf_tokenizer import gguf_tokenizer
 from model.loader import embedded_model_path
 from model.tokenizer import TextTokenizer
@@ -37,7 +37,7 @@ DOCUMENTS = ["The giant panda is a bear native to China.", "", " a leading space
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return gguf_tokenizer(GGUFFile(embedded_model_path()))
+    return gguf_tokenizer(read_gguf(embedded_model_path()))
 
 
 @pytest.fixture(scope="module")
