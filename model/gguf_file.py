@@ -42,6 +42,7 @@ class GGUFTensor(NamedTuple):
 class GGUFFile(NamedTuple):
     fields: dict  # {key: value}: str, int, float, bool, or a list of them
     tensors: list[GGUFTensor]  # in the file's order
+    byte_order: str  # "<" or ">", as struct and NumPy spell it
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -82,7 +83,8 @@ class _Header:
             raise ValueError(f"{path}: general.alignment {alignment!r} is not a power of two")
         start = -(-self._offset // alignment) * alignment
         whole = np.frombuffer(self._map, np.uint8)
-        return GGUFFile(fields, [self._tensor(whole, start, *info, path) for info in infos])
+        return GGUFFile(fields, [self._tensor(whole, start, *info, path) for info in infos],
+                        self._order)
 
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(self._order + fmt, self._map, self._offset)

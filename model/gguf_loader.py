@@ -147,6 +147,8 @@ def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file {path}")
     reader = read_gguf(path)
+    if reader.byte_order != "<":  # gguf's dequantize reads blocks and values little-endian
+        raise ValueError(f"{path} is a big-endian GGUF file; only little-endian ones load")
     cfg = gguf_config(reader)
     by_name = {hf_name(t.name, cfg): t for t in reader.tensors}
 

@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
 from model.gguf_file import read_gguf
+from model.loader import load_model
 
 VALUES = {"u8": (250, V.UINT8), "i8": (-3, V.INT8), "u16": (65000, V.UINT16),
           "i16": (-300, V.INT16), "u32": (2**32 - 1, V.UINT32), "i32": (-70000, V.INT32),
@@ -43,6 +44,7 @@ def test_every_value_and_tensor_reads_as_ggufs_reader_reads_it(tmp_path, endiane
     ours, theirs = read_gguf(path), gguf.GGUFReader(path)
     want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
     assert ours.fields == want
+    assert ours.byte_order == ("<" if endianess == gguf.GGUFEndian.LITTLE else ">")
     assert [type(v) for v in ours.fields.values()] == [type(v) for v in want.values()]
     assert ours.fields["test.name"] == VALUES["name"][0] and ours.fields["test.words"][2] == "日本"
     assert [t.name for t in ours.tensors] == ["f32", "f16", "i32", "Q8_0", "Q4_1"]
@@ -68,3 +70,10 @@ def test_a_file_not_gguf_or_cut_short_is_named(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError, match=messages[name]):
             read_gguf(str(tmp_path / name))
+
+
+def test_a_big_endian_files_weights_are_refused(tmp_path):
+    """Its metadata reads (above), but gguf's dequantize would read its values wrong."""
+    path = write(tmp_path / "m.gguf", gguf.GGUFEndian.BIG)
+    with pytest.raises(ValueError, match="big-endian GGUF file; only little-endian ones load"):
+        load_model(path)
