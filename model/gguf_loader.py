@@ -54,7 +54,7 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         family = _gemma_fields(arch, get, layers, hidden // heads)
     return ModelConfig(
         family=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        vocab_size=tensors["token_embd.weight"].shape[-1],
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=layers,
@@ -131,7 +131,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _dequantized(tensor: GGUFTensor, cfg: ModelConfig) -> np.ndarray:
     w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    w = w.reshape(tuple(reversed([int(n) for n in tensor.shape])))
+    w = w.reshape(tuple(reversed(tensor.shape)))
     if cfg.norm_offset and tensor.name.endswith("norm.weight"):
         return w - np.float32(cfg.norm_offset)  # build_params adds it back, in float32
     if cfg.family != "llama":
