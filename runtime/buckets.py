@@ -4,6 +4,7 @@ Only the token count picks a bucket (`token_sizes`); every other dimension is a 
 function of it (the attention plan's steps too, padded to the bounds of these shapes), and
 work inside the model follows the real counts (the plan's real steps, the scored rows).
 """
+import bisect
 import dataclasses
 
 from kernels.attention_plan import BlockSizes
@@ -37,6 +38,11 @@ class ShapeBuckets:
     page_aligned: bool = False  # each sequence's new tokens start on a page boundary of the
     #                             batch, padded to whole pages (runtime.batch_builder): the
     #                             TPU's k and v projection writes whole blocks of tokens
+    _sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # every forward picks its bucket from them: made once, not once a forward
+        object.__setattr__(self, "_sizes", self._make_token_sizes())
 
     def padded_tokens(self, new_tokens: int) -> int:
         """What a sequence's new tokens take of a batch."""
@@ -54,6 +60,9 @@ class ShapeBuckets:
         FINE_TOKENS up, quarters: 256, 320, 384, 448, 512, 640, ... Padding wastes at most a
         fifth of a forward where its time follows its tokens, a third below, where fixed costs
         dominate and each bucket more is a program more to compile."""
+        return self._sizes
+
+    def _make_token_sizes(self) -> tuple[int, ...]:
         sizes, size = [], MIN_TOKENS
         while not sizes or sizes[-1] < self.token_budget:
             steps = 4 if size >= FINE_TOKENS else 2
@@ -69,7 +78,7 @@ class ShapeBuckets:
             raise ValueError(f"a batch of {n_tokens} tokens, {n_rows} rows and {n_seqs} "
                              f"sequences exceeds the budgets {self}")
         need = max(n_tokens, n_rows, n_seqs)
-        tokens = next(size for size in self.token_sizes() if size >= need)
+        tokens = self._sizes[bisect.bisect_left(self._sizes, need)]
         seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
         pages = pages_needed(self.max_kv_len, self.page_size)
         return BatchShape(tokens, seqs, pages, rows, self.max_labels)
