@@ -17,6 +17,16 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def _sizes_up_to(budget: int) -> tuple[int, ...]:
+    """ShapeBuckets.token_sizes for a budget of `budget` tokens."""
+    sizes, size = [], MIN_TOKENS
+    while not sizes or sizes[-1] < budget:
+        steps = 4 if size >= FINE_TOKENS else 2
+        sizes += [size + size * k // steps for k in range(steps)]
+        size *= 2
+    return tuple(s for s in sizes if s < budget) + (next(s for s in sizes if s >= budget),)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
     tokens: int         # new tokens
@@ -38,11 +48,11 @@ class ShapeBuckets:
     page_aligned: bool = False  # each sequence's new tokens start on a page boundary of the
     #                             batch, padded to whole pages (runtime.batch_builder): the
     #                             TPU's k and v projection writes whole blocks of tokens
-    _sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _token_sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # every forward picks its bucket from them: made once, not once a forward
-        object.__setattr__(self, "_sizes", self._make_token_sizes())
+        object.__setattr__(self, "_token_sizes", _sizes_up_to(self.token_budget))
 
     def padded_tokens(self, new_tokens: int) -> int:
         """What a sequence's new tokens take of a batch."""
@@ -60,16 +70,7 @@ class ShapeBuckets:
         FINE_TOKENS up, quarters: 256, 320, 384, 448, 512, 640, ... Padding wastes at most a
         fifth of a forward where its time follows its tokens, a third below, where fixed costs
         dominate and each bucket more is a program more to compile."""
-        return self._sizes
-
-    def _make_token_sizes(self) -> tuple[int, ...]:
-        sizes, size = [], MIN_TOKENS
-        while not sizes or sizes[-1] < self.token_budget:
-            steps = 4 if size >= FINE_TOKENS else 2
-            sizes += [size + size * k // steps for k in range(steps)]
-            size *= 2
-        return tuple(s for s in sizes if s < self.token_budget) + (
-            next(s for s in sizes if s >= self.token_budget),)
+        return self._token_sizes
 
     def shape(self, n_tokens: int, n_rows: int = 0, n_seqs: int = 0) -> BatchShape:
         """The bucket of a batch of `n_tokens` (padded) tokens; empty items make rows
@@ -78,7 +79,7 @@ class ShapeBuckets:
             raise ValueError(f"a batch of {n_tokens} tokens, {n_rows} rows and {n_seqs} "
                              f"sequences exceeds the budgets {self}")
         need = max(n_tokens, n_rows, n_seqs)
-        tokens = self._sizes[bisect.bisect_left(self._sizes, need)]
+        tokens = self._token_sizes[bisect.bisect_left(self._token_sizes, need)]
         seqs, rows = min(self.max_seqs, tokens), min(self.max_rows, tokens)
         pages = pages_needed(self.max_kv_len, self.page_size)
         return BatchShape(tokens, seqs, pages, rows, self.max_labels)
@@ -89,3 +90,4 @@ class ShapeBuckets:
 
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.token_budget)) for t in self.token_sizes()]
+
