@@ -90,4 +90,3 @@ class ShapeBuckets:
 
     def all_shapes(self) -> list[BatchShape]:
         return [self.shape(min(t, self.token_budget)) for t in self.token_sizes()]
-
