@@ -37,16 +37,16 @@ _LARGEST = {"gemma2": 46, "gemma3": 62}  # the 27B's layers: its query scale is 
 _LOCAL_ROPE_THETA = 10000.0
 
 
-def gguf_config(reader: GGUFFile) -> ModelConfig:
-    arch = reader.fields.get("general.architecture")
+def gguf_config(gguf_file: GGUFFile) -> ModelConfig:
+    arch = gguf_file.fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(general.architecture: {', '.join(_ARCHITECTURES)})")
-    get = lambda key, default=None: reader.fields.get(f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: gguf_file.fields.get(f"{arch}.{key}", default)  # noqa: E731
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     layers = int(get("block_count"))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in gguf_file.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF file has no token_embd.weight")
     family = {}
@@ -146,15 +146,15 @@ def _dequantized(tensor: GGUFTensor, cfg: ModelConfig) -> np.ndarray:
 def load_gguf_model(path: str, dtype) -> tuple[ModelConfig, dict, TextTokenizer]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file {path}")
-    reader = read_gguf(path)
-    if reader.byte_order != "<":  # gguf's dequantize reads blocks and values little-endian
+    gguf_file = read_gguf(path)
+    if gguf_file.byte_order != "<":  # gguf's dequantize reads blocks and values little-endian
         raise ValueError(f"{path} is a big-endian GGUF file; only little-endian ones load")
-    cfg = gguf_config(reader)
-    by_name = {hf_name(t.name, cfg): t for t in reader.tensors}
+    cfg = gguf_config(gguf_file)
+    by_name = {hf_name(t.name, cfg): t for t in gguf_file.tensors}
 
     def get(name: str) -> np.ndarray:
         if name not in by_name:
             raise KeyError(f"GGUF file has no tensor for {name!r}")
         return _dequantized(by_name[name], cfg)
 
-    return cfg, build_params(cfg, get, dtype), gguf_tokenizer(reader)
+    return cfg, build_params(cfg, get, dtype), gguf_tokenizer(gguf_file)

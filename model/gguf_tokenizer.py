@@ -17,25 +17,25 @@ _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type
 _SPACE = "\u2581"  # SentencePiece's "▁"
 
 
-def gguf_tokenizer(reader: GGUFFile) -> TextTokenizer:
-    kind = reader.fields.get("tokenizer.ggml.model")
+def gguf_tokenizer(gguf_file: GGUFFile) -> TextTokenizer:
+    kind = gguf_file.fields.get("tokenizer.ggml.model")
     builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
     if kind not in builders:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported "
                          f"(tokenizer.ggml.model: {sorted(builders)})")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    types = reader.fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok = builders[kind](reader, tokens, types)
+    tokens = gguf_file.fields.get("tokenizer.ggml.tokens")
+    types = gguf_file.fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = builders[kind](gguf_file, tokens, types)
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == _CONTROL])
-    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    bos = gguf_file.fields.get("tokenizer.ggml.bos_token_id")
     # llama.cpp puts BOS before a SentencePiece prompt unless the file says not to.
-    add_bos = bool(reader.fields.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_bos = bool(gguf_file.fields.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     return TextTokenizer(tok, start_ids=[int(bos)] if add_bos and bos is not None else [])
 
 
-def _byte_level_bpe(reader: GGUFFile, tokens: list[str], types) -> tokenizers.Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in reader.fields.get("tokenizer.ggml.merges")]
+def _byte_level_bpe(gguf_file: GGUFFile, tokens: list[str], types) -> tokenizers.Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in gguf_file.fields.get("tokenizer.ggml.merges")]
     tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                           merges=merges, ignore_merges=False))
     # llama.cpp's "smollm" pre-tokenizer: digits split one by one, then GPT-2's byte-level regex.
@@ -46,15 +46,15 @@ def _byte_level_bpe(reader: GGUFFile, tokens: list[str], types) -> tokenizers.To
     return tok
 
 
-def _sentencepiece_bpe(reader: GGUFFile, tokens: list[str], types) -> tokenizers.Tokenizer:
-    if reader.fields.get("tokenizer.ggml.add_space_prefix", True):
+def _sentencepiece_bpe(gguf_file: GGUFFile, tokens: list[str], types) -> tokenizers.Tokenizer:
+    if gguf_file.fields.get("tokenizer.ggml.add_space_prefix", True):
         # Llama 2's and Mistral's: where the "▁" goes (text start, after a special token, per
         # piece of a prompt) differs between SentencePiece, llama.cpp and transformers.
         raise ValueError("GGUF SentencePiece tokenizers with add_space_prefix (Llama 2, "
                          "Mistral) are not supported; Gemma's (add_space_prefix false) are")
     pieces = [_respelled(t) for t in tokens]
     vocab = {piece: i for i, piece in enumerate(pieces)}
-    unknown = reader.fields.get("tokenizer.ggml.unknown_token_id")
+    unknown = gguf_file.fields.get("tokenizer.ggml.unknown_token_id")
     if unknown is None:
         unknown = next((i for i, kind in enumerate(types) if kind == _UNKNOWN), None)
     tok = tokenizers.Tokenizer(models.BPE(

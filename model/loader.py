@@ -67,8 +67,8 @@ def load_front(path: str | None, quantization: str = ""
     gives it."""
     path = path or embedded_model_path()
     if _is_gguf(path):
-        reader = read_gguf(path)
-        cfg, tokenizer = gguf_config(reader), gguf_tokenizer(reader)
+        gguf_file = read_gguf(path)
+        cfg, tokenizer = gguf_config(gguf_file), gguf_tokenizer(gguf_file)
     else:
         cfg = load_hf_config(path)
         tokenizer = TextTokenizer.from_file(os.path.join(path, "tokenizer.json"))
