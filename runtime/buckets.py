@@ -6,6 +6,7 @@ work inside the model follows the real counts (the plan's real steps, the scored
 """
 import bisect
 import dataclasses
+import functools
 
 from kernels.attention_plan import BlockSizes
 
@@ -15,16 +16,6 @@ FINE_TOKENS = 256  # buckets a quarter apart from here up
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
-
-
-def _sizes_up_to(budget: int) -> tuple[int, ...]:
-    """ShapeBuckets.token_sizes for a budget of `budget` tokens."""
-    sizes, size = [], MIN_TOKENS
-    while not sizes or sizes[-1] < budget:
-        steps = 4 if size >= FINE_TOKENS else 2
-        sizes += [size + size * k // steps for k in range(steps)]
-        size *= 2
-    return tuple(s for s in sizes if s < budget) + (next(s for s in sizes if s >= budget),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +39,6 @@ class ShapeBuckets:
     page_aligned: bool = False  # each sequence's new tokens start on a page boundary of the
     #                             batch, padded to whole pages (runtime.batch_builder): the
     #                             TPU's k and v projection writes whole blocks of tokens
-    _token_sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        # every forward picks its bucket from them: made once, not once a forward
-        object.__setattr__(self, "_token_sizes", _sizes_up_to(self.token_budget))
 
     def padded_tokens(self, new_tokens: int) -> int:
         """What a sequence's new tokens take of a batch."""
@@ -71,6 +57,17 @@ class ShapeBuckets:
         fifth of a forward where its time follows its tokens, a third below, where fixed costs
         dominate and each bucket more is a program more to compile."""
         return self._token_sizes
+
+    @functools.cached_property
+    def _token_sizes(self) -> tuple[int, ...]:
+        # every forward picks its bucket from them: made once, not once a forward
+        sizes, size = [], MIN_TOKENS
+        while not sizes or sizes[-1] < self.token_budget:
+            steps = 4 if size >= FINE_TOKENS else 2
+            sizes += [size + size * k // steps for k in range(steps)]
+            size *= 2
+        return tuple(s for s in sizes if s < self.token_budget) + (
+            next(s for s in sizes if s >= self.token_budget),)
 
     def shape(self, n_tokens: int, n_rows: int = 0, n_seqs: int = 0) -> BatchShape:
         """The bucket of a batch of `n_tokens` (padded) tokens; empty items make rows
